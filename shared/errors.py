@@ -1,0 +1,269 @@
+"""The domain exceptions and the one table that maps each to a gRPC status and google.rpc details.
+
+Each exception class declares its status code and ErrorInfo reason, so the classes *are* the
+table (as in google-api-core): servers turn an exception into a status with `to_status`, clients
+turn a `grpc.RpcError` back into the exception with `from_rpc_error`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import ClassVar
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+DOMAIN = "engine.v1"
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+
+
+class EngineError(Exception):
+    """Base of every error that crosses the wire. Subclasses declare `code` and `reason`."""
+
+    code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
+    reason: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        metadata: Mapping[str, object] | None = None,
+        retry_delay: float | None = None,
+        field: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.metadata: dict[str, str] = {k: str(v) for k, v in (metadata or {}).items()}
+        self.retry_delay = retry_delay
+        self.field = field
+
+    def __reduce__(self):  # keep exceptions picklable despite keyword-only arguments
+        return (_rebuild, (type(self), self.message, self.metadata, self.retry_delay, self.field))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, reason={self.reason!r}, metadata={self.metadata!r})"
+
+
+def _rebuild(cls, message, metadata, retry_delay, field):  # type: ignore[no-untyped-def]
+    return cls(message, metadata=metadata, retry_delay=retry_delay, field=field)
+
+
+class InvalidRequest(EngineError):
+    """The request cannot be served as asked. Never retry it."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "INVALID_FIELD"
+
+
+class InvalidField(InvalidRequest):
+    """One field is invalid; `field` names it (BadRequest.FieldViolation on the wire)."""
+
+    reason = "INVALID_FIELD"
+
+    def __init__(self, field: str, value: object, message: str) -> None:
+        super().__init__(message, metadata={"field": field, "value": _short(value)}, field=field)
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """Prompt tokens plus max_new_tokens exceed the engine's context."""
+
+    reason = "CONTEXT_LENGTH_EXCEEDED"
+
+    @classmethod
+    def build(cls, prompt_tokens: int, max_new_tokens: int, max_context_tokens: int) -> ContextLengthExceeded:
+        return cls(
+            f"prompt_tokens + max_new_tokens must be <= max_context_tokens {max_context_tokens}, "
+            f"got {prompt_tokens} + {max_new_tokens} = {prompt_tokens + max_new_tokens}",
+            metadata={
+                "promptTokens": prompt_tokens,
+                "maxNewTokens": max_new_tokens,
+                "maxContextTokens": max_context_tokens,
+            },
+        )
+
+
+class QueueFull(EngineError):
+    """The waiting queue is at capacity. Back off at least `retry_delay` seconds, then retry."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "QUEUE_FULL"
+
+    @classmethod
+    def build(cls, queue_depth: int, queue_capacity: int, retry_delay: float) -> QueueFull:
+        return cls(
+            f"waiting queue is full: {queue_depth} of {queue_capacity} places taken",
+            metadata={"queueDepth": queue_depth, "queueCapacity": queue_capacity},
+            retry_delay=retry_delay,
+        )
+
+
+class SequenceError(EngineError):
+    """One sequence failed mid-decode; the engine aborts it alone."""
+
+    code = grpc.StatusCode.ABORTED
+    reason = "SEQUENCE_ABORTED"
+
+    @classmethod
+    def build(cls, request_id: str, generated_tokens: int, cause: str) -> SequenceError:
+        return cls(
+            f"sequence {request_id} aborted after {generated_tokens} generated tokens: {cause}",
+            metadata={"requestId": request_id, "generatedTokens": generated_tokens, "cause": cause},
+        )
+
+
+class EngineDraining(EngineError):
+    """The engine is shutting down and admits no new work."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = "ENGINE_DRAINING"
+
+    @classmethod
+    def build(cls, grace_seconds: float, retry_delay: float = 1.0) -> EngineDraining:
+        return cls(
+            f"engine is draining (grace period {grace_seconds:g} s) and admits no new requests",
+            metadata={"graceSeconds": f"{grace_seconds:g}"},
+            retry_delay=retry_delay,
+        )
+
+
+class DeadlineExceeded(EngineError):
+    """The request's deadline passed while it was queued or decoding."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "DEADLINE_EXCEEDED"
+
+    @classmethod
+    def build(cls, request_id: str, generated_tokens: int) -> DeadlineExceeded:
+        return cls(
+            f"deadline of request {request_id} passed after {generated_tokens} generated tokens",
+            metadata={"requestId": request_id, "generatedTokens": generated_tokens},
+        )
+
+
+class Unauthenticated(EngineError):
+    """Missing or invalid credentials."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED"
+
+
+class InternalError(EngineError):
+    """A bug in request handling. The message stays generic; the traceback is in the log."""
+
+    code = grpc.StatusCode.INTERNAL
+    reason = "INTERNAL"
+
+    @classmethod
+    def build(cls, request_id: str) -> InternalError:
+        return cls(
+            f"internal error while handling request {request_id}; see the engine log",
+            metadata={"requestId": request_id},
+        )
+
+
+# Client-side only: statuses that arrive without our details.
+class EngineUnavailable(EngineError):
+    """UNAVAILABLE without ErrorInfo: the engine is down or unreachable (transport error)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Cancelled(EngineError):
+    """The call was cancelled (by this client)."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class TransportError(EngineError):
+    """Any other status without our details (for example gRPC's own message-size limit)."""
+
+
+# The one table: ErrorInfo.reason -> exception class, for every reason the proto declares.
+BY_REASON: Mapping[str, type[EngineError]] = {
+    cls.reason: cls
+    for cls in (InvalidField, ContextLengthExceeded, QueueFull, SequenceError, EngineDraining,
+                DeadlineExceeded, Unauthenticated, InternalError)
+}
+# Statuses that arrive without details (from gRPC itself or the transport).
+_BY_CODE_WITHOUT_DETAILS: Mapping[grpc.StatusCode, type[EngineError]] = {
+    grpc.StatusCode.UNAVAILABLE: EngineUnavailable,
+    grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+}
+
+
+def _short(value: object, limit: int = 64) -> str:
+    text = repr(value) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _pack(message) -> any_pb2.Any:  # type: ignore[no-untyped-def]
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def to_status_proto(err: EngineError) -> status_pb2.Status:
+    """The google.rpc.Status for an exception: ErrorInfo always, then the reason's extras."""
+    details = [_pack(error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=err.metadata))]
+    if err.field is not None:
+        violation = error_details_pb2.BadRequest.FieldViolation(field=err.field, description=err.message)
+        details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
+    if err.retry_delay is not None:
+        delay = duration_pb2.Duration()
+        delay.FromTimedelta(datetime.timedelta(seconds=err.retry_delay))
+        details.append(_pack(error_details_pb2.RetryInfo(retry_delay=delay)))
+    return status_pb2.Status(code=err.code.value[0], message=err.message, details=details)
+
+
+def to_status(err: EngineError) -> grpc.Status:
+    """A grpc.Status ready for `await context.abort(s.code, s.details, s.trailing_metadata)`."""
+    return rpc_status.to_status(to_status_proto(err))
+
+
+def _status_from_trailers(trailing_metadata) -> status_pb2.Status | None:  # type: ignore[no-untyped-def]
+    for key, value in trailing_metadata or ():
+        if key == STATUS_DETAILS_KEY:
+            return status_pb2.Status.FromString(value)
+    return None
+
+
+def from_rpc_error(err: grpc.RpcError) -> EngineError:
+    """Turn a failed call (sync or aio) back into the domain exception, with its details."""
+    code: grpc.StatusCode = err.code()  # type: ignore[attr-defined]
+    message: str = err.details() or ""  # type: ignore[attr-defined]
+    status = _status_from_trailers(err.trailing_metadata())  # type: ignore[attr-defined]
+    info, field, retry_delay = None, None, None
+    if status is not None:
+        message = status.message
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+            elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad = error_details_pb2.BadRequest()
+                detail.Unpack(bad)
+                field = bad.field_violations[0].field if bad.field_violations else None
+            elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                retry = error_details_pb2.RetryInfo()
+                detail.Unpack(retry)
+                retry_delay = retry.retry_delay.ToTimedelta().total_seconds()
+    if info is not None and info.reason in BY_REASON:
+        cls = BY_REASON[info.reason]
+        metadata = dict(info.metadata)
+    else:
+        cls = _BY_CODE_WITHOUT_DETAILS.get(code, TransportError)
+        metadata = {}
+    result = EngineError.__new__(cls)
+    EngineError.__init__(result, message, metadata=metadata, retry_delay=retry_delay, field=field)
+    result.status_code = code  # the code actually received (TransportError may carry any)
+    return result
+
+
+def status_code_of(err: EngineError) -> grpc.StatusCode:
+    """The status code an error travelled with (the class's own unless received otherwise)."""
+    return getattr(err, "status_code", err.code)
+
