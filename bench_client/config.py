@@ -1,0 +1,292 @@
+"""The sweep configuration: one frozen dataclass per concern, read from TOML and validated once.
+
+```toml
+target = "127.0.0.1:50051"          # or "ipv4:127.0.0.1:50051,127.0.0.1:50052", "dns:///engine:50051"
+
+[workload]                          # every combination of the lists is one point
+context_tokens = [64, 256]          # exact prompt lengths in tokens
+max_new_tokens = [32]
+concurrency = [1, 8]
+request_rate = ["inf"]              # requests/s with Poisson arrivals, or "inf" (all at once)
+requests_per_point = 32
+warmup_requests = 2
+seed = 0
+ignore_eos = true
+temperature = 0.0                   # sampling settings, sent with every request
+top_p = 1.0
+top_k = 0
+
+[policy]                            # how the one policy table is tuned (see policy.py)
+max_attempts = 5                    # per request, for retryable statuses
+backoff_initial_s = 0.05
+backoff_max_s = 2.0
+health_wait_s = 30.0                # how long the engine may stay down before the sweep stops
+request_timeout_s = 120.0
+max_error_rate = 0.1                # a point with more failed requests than this is `failed`
+
+[engine]                            # optional: the client starts and stops the engine itself
+command = ["{python}", "-m", "engine_service", "--model", "tiny", "--host", "127.0.0.1", "--port", "{port}"]
+startup_timeout_s = 120.0
+drain_timeout_s = 30.0
+max_restarts = 1                    # restarts after a crash, per engine configuration
+[engine.grid]                       # each combination is one engine configuration
+max_batch = [8, 32]                 # `{max_batch}` in the command, or appended as `--max-batch 8`
+```
+"""
+
+from __future__ import annotations
+
+import math
+import string
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Placeholders that the runner fills in itself; grid keys may not reuse them.
+BUILTIN_PLACEHOLDERS = frozenset({"python", "port"})
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message names the key and the value."""
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    context_tokens: tuple[int, ...]
+    max_new_tokens: tuple[int, ...]
+    concurrency: tuple[int, ...]
+    request_rate: tuple[float, ...] = (math.inf,)
+    requests_per_point: int = 16
+    warmup_requests: int = 1
+    seed: int = 0
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_attempts: int = 5
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 2.0
+    health_wait_s: float = 30.0
+    request_timeout_s: float = 120.0
+    max_error_rate: float = 0.1
+
+
+@dataclass(frozen=True)
+class EngineLaunchConfig:
+    command: tuple[str, ...]
+    grid: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    startup_timeout_s: float = 120.0
+    drain_timeout_s: float = 30.0
+    max_restarts: int = 1
+    log_tail_lines: int = 40
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    target: str
+    workload: WorkloadConfig
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    engine: EngineLaunchConfig | None = None
+
+
+# ---- reading -------------------------------------------------------------------------------------
+
+
+def load_config(path: Path) -> SweepConfig:
+    """Read and validate a sweep configuration file; ConfigError names what is wrong."""
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as err:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from err
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from err
+    return parse_config(raw)
+
+
+def parse_config(raw: Mapping[str, Any]) -> SweepConfig:
+    _check_keys("", raw, {"target", "workload", "policy", "engine"})
+    engine = _engine(raw["engine"]) if "engine" in raw else None
+    if "target" in raw:
+        target = _str("target", raw["target"])
+        if engine is not None:
+            raise ConfigError(f"target {target!r} and [engine] are exclusive: with [engine] the client "
+                              "starts the engine itself and targets it")
+    elif engine is not None:
+        target = ""  # filled in per managed engine
+    else:
+        raise ConfigError("target is required when there is no [engine] table, got nothing")
+    if "workload" not in raw:
+        raise ConfigError("[workload] is required, got nothing")
+    return SweepConfig(
+        target=target,
+        workload=_workload(_table("workload", raw["workload"])),
+        policy=_policy(_table("policy", raw.get("policy", {}))),
+        engine=engine,
+    )
+
+
+def _workload(raw: Mapping[str, Any]) -> WorkloadConfig:
+    _check_keys("workload.", raw, set(WorkloadConfig.__dataclass_fields__))
+    for key in ("context_tokens", "max_new_tokens", "concurrency"):
+        if key not in raw:
+            raise ConfigError(f"workload.{key} is required, got nothing")
+    defaults = WorkloadConfig((1,), (1,), (1,))
+    config = WorkloadConfig(
+        context_tokens=_int_list("workload.context_tokens", raw["context_tokens"], minimum=1),
+        max_new_tokens=_int_list("workload.max_new_tokens", raw["max_new_tokens"], minimum=1),
+        concurrency=_int_list("workload.concurrency", raw["concurrency"], minimum=1),
+        request_rate=_rate_list("workload.request_rate", raw.get("request_rate", ["inf"])),
+        requests_per_point=_int("workload.requests_per_point",
+                                raw.get("requests_per_point", defaults.requests_per_point), minimum=1),
+        warmup_requests=_int("workload.warmup_requests", raw.get("warmup_requests", defaults.warmup_requests),
+                             minimum=0),
+        seed=_int("workload.seed", raw.get("seed", defaults.seed), minimum=0),
+        ignore_eos=_bool("workload.ignore_eos", raw.get("ignore_eos", defaults.ignore_eos)),
+        temperature=_float("workload.temperature", raw.get("temperature", defaults.temperature), minimum=0.0),
+        top_p=_float("workload.top_p", raw.get("top_p", defaults.top_p), minimum=0.0),
+        top_k=_int("workload.top_k", raw.get("top_k", defaults.top_k), minimum=0),
+    )
+    if not 0.0 < config.top_p <= 1.0:
+        raise ConfigError(f"workload.top_p must be in (0, 1], got {config.top_p!r}")
+    if config.temperature > 100.0:
+        raise ConfigError(f"workload.temperature must be in [0, 100], got {config.temperature!r}")
+    return config
+
+
+def _policy(raw: Mapping[str, Any]) -> PolicyConfig:
+    _check_keys("policy.", raw, set(PolicyConfig.__dataclass_fields__))
+    d = PolicyConfig()
+    config = PolicyConfig(
+        max_attempts=_int("policy.max_attempts", raw.get("max_attempts", d.max_attempts), minimum=1),
+        backoff_initial_s=_float("policy.backoff_initial_s", raw.get("backoff_initial_s", d.backoff_initial_s),
+                                 minimum=0.0),
+        backoff_max_s=_float("policy.backoff_max_s", raw.get("backoff_max_s", d.backoff_max_s), minimum=0.0),
+        health_wait_s=_float("policy.health_wait_s", raw.get("health_wait_s", d.health_wait_s), minimum=0.0),
+        request_timeout_s=_float("policy.request_timeout_s", raw.get("request_timeout_s", d.request_timeout_s),
+                                 minimum=0.001),
+        max_error_rate=_float("policy.max_error_rate", raw.get("max_error_rate", d.max_error_rate), minimum=0.0),
+    )
+    if config.max_error_rate > 1.0:
+        raise ConfigError(f"policy.max_error_rate must be in [0, 1], got {config.max_error_rate!r}")
+    if config.backoff_max_s < config.backoff_initial_s:
+        raise ConfigError(f"policy.backoff_max_s must be >= policy.backoff_initial_s "
+                          f"{config.backoff_initial_s!r}, got {config.backoff_max_s!r}")
+    return config
+
+
+def _engine(raw_value: Any) -> EngineLaunchConfig:
+    raw = _table("engine", raw_value)
+    allowed = set(EngineLaunchConfig.__dataclass_fields__)
+    _check_keys("engine.", raw, allowed)
+    if "command" not in raw:
+        raise ConfigError("engine.command is required in [engine], got nothing")
+    command = raw["command"]
+    if not isinstance(command, list) or not command or not all(isinstance(p, str) for p in command):
+        raise ConfigError(f"engine.command must be a non-empty list of strings, got {command!r}")
+    grid_raw = _table("engine.grid", raw.get("grid", {}))
+    grid: list[tuple[str, tuple[Any, ...]]] = []
+    for key, values in grid_raw.items():
+        name = f"engine.grid.{key}"
+        if key in BUILTIN_PLACEHOLDERS:
+            raise ConfigError(f"{name} is reserved (the runner fills {{{key}}} itself), got {values!r}")
+        if not key.isidentifier():
+            raise ConfigError(f"{name} must be an identifier such as max_batch, got {key!r}")
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{name} must be a non-empty list, got {values!r}")
+        for value in values:
+            if isinstance(value, (dict, list)):
+                raise ConfigError(f"{name} values must be strings, numbers or booleans, got {value!r}")
+        grid.append((key, tuple(values)))
+    known = BUILTIN_PLACEHOLDERS | {key for key, _ in grid}
+    for part in command:
+        for _, placeholder, _, _ in string.Formatter().parse(part):
+            if placeholder is not None and placeholder not in known:
+                raise ConfigError(f"engine.command placeholder {{{placeholder}}} is neither a builtin "
+                                  f"({', '.join(sorted(BUILTIN_PLACEHOLDERS))}) nor a key of [engine.grid], "
+                                  f"got it in {part!r}")
+    d = EngineLaunchConfig(command=())
+    return EngineLaunchConfig(
+        command=tuple(command),
+        grid=tuple(grid),
+        startup_timeout_s=_float("engine.startup_timeout_s", raw.get("startup_timeout_s", d.startup_timeout_s),
+                                 minimum=0.1),
+        drain_timeout_s=_float("engine.drain_timeout_s", raw.get("drain_timeout_s", d.drain_timeout_s),
+                               minimum=0.1),
+        max_restarts=_int("engine.max_restarts", raw.get("max_restarts", d.max_restarts), minimum=0),
+        log_tail_lines=_int("engine.log_tail_lines", raw.get("log_tail_lines", d.log_tail_lines), minimum=0),
+    )
+
+
+# ---- typed field readers: each names the key and the value it rejects ----------------------------
+
+
+def _check_keys(prefix: str, raw: Mapping[str, Any], allowed: set[str]) -> None:
+    for key in raw:
+        if key not in allowed:
+            raise ConfigError(f"unknown key {prefix}{key} (value {raw[key]!r}); known keys: "
+                              f"{', '.join(prefix + k for k in sorted(allowed))}")
+
+
+def _table(name: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"[{name}] must be a table, got {value!r}")
+    return value
+
+
+def _str(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _int(name: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value!r}")
+    return value
+
+
+def _float(name: str, value: Any, *, minimum: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < minimum:
+        raise ConfigError(f"{name} must be a finite number >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def _int_list(name: str, value: Any, *, minimum: int) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{name} must be a non-empty list of integers, got {value!r}")
+    items = tuple(_int(f"{name}[{i}]", item, minimum=minimum) for i, item in enumerate(value))
+    if len(set(items)) != len(items):
+        raise ConfigError(f"{name} must not repeat a value, got {value!r}")
+    return items
+
+
+def _rate_list(name: str, value: Any) -> tuple[float, ...]:
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{name} must be a non-empty list of numbers or \"inf\", got {value!r}")
+    rates: list[float] = []
+    for i, item in enumerate(value):
+        if item == "inf":
+            rates.append(math.inf)
+        elif isinstance(item, bool) or not isinstance(item, (int, float)) or not math.isfinite(item) or item <= 0:
+            raise ConfigError(f"{name}[{i}] must be a positive number of requests/s or \"inf\", got {item!r}")
+        else:
+            rates.append(float(item))
+    if len(set(rates)) != len(rates):
+        raise ConfigError(f"{name} must not repeat a value, got {value!r}")
+    return tuple(rates)

@@ -1,0 +1,1 @@
+"""A Llama-family decoder in torch, its presets, tokenizers and checkpoint loading."""

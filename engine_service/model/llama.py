@@ -1,0 +1,241 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2): RMSNorm, rotary embeddings, grouped-query
+attention, SwiGLU, and a static KV cache.
+
+Module names equal Hugging Face's, so a checkpoint's state dict loads through the one mapping in
+`loader.py`. Shapes in comments: B batch rows, T tokens, H heads, KV key/value heads,
+G = H // KV, D head dim, L attended length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_service.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, with the configured scaling applied."""
+    dim = config.dim_per_head
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling_dict
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])  # type: ignore[arg-type]
+    if kind == "llama3":
+        factor = float(scaling["factor"])  # type: ignore[arg-type]
+        low = float(scaling["low_freq_factor"])  # type: ignore[arg-type]
+        high = float(scaling["high_freq_factor"])  # type: ignore[arg-type]
+        old_context = float(scaling["original_max_position_embeddings"])  # type: ignore[arg-type]
+        low_wavelen, high_wavelen = old_context / low, old_context / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling type must be one of default, linear, llama3, got {kind!r}")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache(nn.Module):
+    """Keys and values of every layer for `max_batch` rows of `max_context` tokens, allocated once.
+
+    Running sequences occupy rows 0..n-1 (the scheduler keeps them packed), so attention reads
+    views of the cache and never gathers.
+    """
+
+    def __init__(self, config: ModelConfig, max_batch: int, max_context: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        shape = (config.num_hidden_layers, max_batch, config.num_key_value_heads, max_context, config.dim_per_head)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.max_batch = max_batch
+        self.max_context = max_context
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` positions of row `src` into row `dst` (all layers)."""
+        self.k[:, dst, :, :length].copy_(self.k[:, src, :, :length])
+        self.v[:, dst, :, :length].copy_(self.v[:, src, :, :length])
+
+    def bytes_per_token(self) -> int:
+        layers, _, heads, _, dim = self.k.shape
+        return 2 * layers * heads * dim * self.k.element_size()
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.dim_per_head
+        self.scale = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[no-untyped-def]
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache, first_row: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
+        cache.k[self.layer, first_row:first_row + b, :, :t] = k
+        cache.v[self.layer, first_row:first_row + b, :, :t] = v
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               rows: torch.Tensor, mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        b = x.shape[0]
+        q, k, v = self._qkv(x, cos, sin)  # q (B, H, 1, D), k/v (B, KV, 1, D)
+        cache.k[self.layer][rows, :, positions] = k[:, :, 0]
+        cache.v[self.layer][rows, :, positions] = v[:, :, 0]
+        length = mask.shape[-1]
+        keys = cache.k[self.layer, :b, :, :length]  # (B, KV, L, D), a view
+        values = cache.v[self.layer, :b, :, :length]
+        q = q.view(b, self.kv_heads, self.heads // self.kv_heads, self.head_dim)  # (B, KV, G, D)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # (B, KV, G, L)
+        scores = scores.masked_fill(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values)  # (B, KV, G, D)
+        return self.o_proj(out.reshape(b, 1, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder with its LM head. Call `setup_rope` once after the weights are in place."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def setup_rope(self, max_positions: int, device: torch.device) -> None:
+        """Precompute cos/sin tables (float32, as Hugging Face computes them) for every position."""
+        inv_freq = rope_inv_freq(self.config).to(device)
+        freqs = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
+        dtype = self.model.embed_tokens.weight.dtype
+        self.rope_cos = emb.cos().to(dtype)
+        self.rope_sin = emb.sin().to(dtype)
+
+    def init_random(self, seed: int) -> None:
+        """Random weights from a fixed seed (normal, std 0.02, as Hugging Face initialises)."""
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith(".bias"):
+                    param.zero_()
+                else:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden)).float()
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, first_row: int,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run right-padded prompts `tokens` (B, T) with true `lengths` (B,) into cache rows
+        first_row..first_row+B-1. Returns the logits of each prompt's last token (B, V), or of
+        every position (B, T, V) when `all_logits`."""
+        b, t = tokens.shape
+        cos = self.rope_cos[:t].expand(b, t, -1)
+        sin = self.rope_sin[:t].expand(b, t, -1)
+        idx = torch.arange(t, device=tokens.device)
+        # (B, 1, T, T): causal, and keys past each prompt's length hidden
+        mask = (idx[None, :] <= idx[:, None])[None, None] & (idx[None, None, None, :] < lengths[:, None, None, None])
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = x + layer.self_attn.prefill(layer.input_layernorm(x), cos, sin, mask, cache, first_row)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if all_logits:
+            return self._logits(x)
+        last = x[torch.arange(b, device=x.device), lengths - 1]  # (B, hidden)
+        return self._logits(last)
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token for each of rows 0..B-1: `tokens` (B,) at `positions` (B,). Returns (B, V)."""
+        b = tokens.shape[0]
+        rows = torch.arange(b, device=tokens.device)
+        cos = self.rope_cos[positions].unsqueeze(1)  # (B, 1, D)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        length = int(positions.max()) + 1
+        span = torch.arange(length, device=tokens.device)
+        mask = (span[None, :] > positions[:, None]).view(b, 1, 1, length)  # True = hidden
+        x = self.model.embed_tokens(tokens).unsqueeze(1)  # (B, 1, hidden)
+        for layer in self.model.layers:
+            x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, positions, rows, mask, cache)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self._logits(x[:, 0])
