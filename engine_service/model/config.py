@@ -26,6 +26,11 @@ class ModelConfig:
     attention_bias: bool = False  # biases on q/k/v (Qwen2)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Every id that ends a sequence (eos_token_id first); a checkpoint may list several.
+    stop_token_ids: tuple[int, ...] = ()
+    # Mistral-style sliding-window attention; we attend to the full context, so this only bounds
+    # the context that may be served (see LlamaForCausalLM.setup_rope).
+    sliding_window: int | None = None
     extra: tuple[tuple[str, object], ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -48,6 +53,13 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def end_token_ids(self) -> tuple[int, ...]:
+        """The ids that end generation: `stop_token_ids`, or just `eos_token_id` when none are listed."""
+        if self.stop_token_ids:
+            return self.stop_token_ids
+        return (self.eos_token_id,) if self.eos_token_id is not None else ()
 
     @property
     def rope_scaling_dict(self) -> dict[str, object] | None:

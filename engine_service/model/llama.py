@@ -2,7 +2,7 @@
 attention, SwiGLU, and a static KV cache.
 
 Module names equal Hugging Face's, so a checkpoint's state dict loads through the one mapping in
-`loader.py`. Shapes in comments: B batch rows, T tokens, H heads, KV key/value heads,
+`checkpoint.py`. Shapes in comments: B batch rows, T tokens, H heads, KV key/value heads,
 G = H // KV, D head dim, L attended length.
 """
 
@@ -180,7 +180,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def setup_rope(self, max_positions: int, device: torch.device) -> None:
-        """Precompute cos/sin tables (float32, as Hugging Face computes them) for every position."""
+        """Precompute cos/sin tables (float32, as Hugging Face computes them) for every position.
+
+        Attention here is over the full context, which equals sliding-window attention only while
+        the context fits in the window, so a larger `max_positions` is refused."""
+        window = self.config.sliding_window
+        if window is not None and max_positions > window:
+            raise ValueError(
+                f"max context {max_positions} exceeds the model's sliding_window {window}; "
+                f"serve at most {window} tokens (sliding-window attention is not implemented)"
+            )
         inv_freq = rope_inv_freq(self.config).to(device)
         freqs = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)

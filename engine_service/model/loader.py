@@ -10,7 +10,9 @@ from typing import Protocol
 import torch
 
 from engine_service.model.byte_tokenizer import ByteTokenizer
+from engine_service.model.checkpoint import load_checkpoint
 from engine_service.model.config import ModelConfig
+from engine_service.model.hf_tokenizer import load_tokenizer
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.presets import PRESET_SEED, PRESETS
 
@@ -41,7 +43,8 @@ class LoadedModel:
 
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Load a preset by name, or a checkpoint directory by path. Raises ValueError naming the
+    """Load a preset by name, or a Hugging Face checkpoint directory by path (config.json,
+    *.safetensors, tokenizer.json when present; see checkpoint.py). Raises ValueError naming the
     preset, file, tensor or field that is wrong."""
     if spec in PRESETS:
         config = PRESETS[spec]
@@ -52,4 +55,6 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedMod
     path = Path(spec)
     if not path.is_dir():
         raise ValueError(f"--model must be a preset ({', '.join(PRESETS)}) or a checkpoint directory, got {spec!r}")
-    raise ValueError(f"loading checkpoint directories is not implemented yet: {spec!r}")
+    config, model = load_checkpoint(path, device, dtype)
+    tokenizer = load_tokenizer(path, config)
+    return LoadedModel(name=config.name, config=config, model=model, tokenizer=tokenizer)
