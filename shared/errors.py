@@ -164,9 +164,10 @@ class InternalError(EngineError):
         )
 
 
-# Client-side only: statuses that arrive without our details.
+# Statuses that travel without our details.
 class EngineUnavailable(EngineError):
-    """UNAVAILABLE without ErrorInfo: the engine is down or unreachable (transport error)."""
+    """UNAVAILABLE without ErrorInfo: the engine is down or unreachable. The engine itself sends
+    it, without details, to the streams in flight when it stops on a fatal error."""
 
     code = grpc.StatusCode.UNAVAILABLE
 
@@ -208,6 +209,8 @@ def _pack(message) -> any_pb2.Any:  # type: ignore[no-untyped-def]
 
 def to_status_proto(err: EngineError) -> status_pb2.Status:
     """The google.rpc.Status for an exception: ErrorInfo always, then the reason's extras."""
+    if not err.reason:  # a transport-level failure (EngineUnavailable): no details, by contract
+        return status_pb2.Status(code=err.code.value[0], message=err.message)
     details = [_pack(error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=err.metadata))]
     if err.field is not None:
         violation = error_details_pb2.BadRequest.FieldViolation(field=err.field, description=err.message)

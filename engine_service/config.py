@@ -1,0 +1,78 @@
+"""Frozen configuration, one dataclass per concern, validated once when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine_service.faults import FaultPlan
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The model, its placement and the scheduler's limits."""
+
+    model: str = "tiny"
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch: int = 32
+    max_context: int = 2048
+    max_new_tokens_limit: int = 4096
+    queue_capacity: int = 256
+    queue_retry_seconds: float = 0.5
+    stall_seconds: float = 30.0
+    faults: FaultPlan = field(default_factory=FaultPlan)
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("max_batch", self.max_batch)
+        _positive("max_context", self.max_context)
+        _positive("max_new_tokens_limit", self.max_new_tokens_limit)
+        _positive("queue_capacity", self.queue_capacity)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if self.queue_retry_seconds <= 0:
+            raise ValueError(f"queue_retry_seconds must be > 0, got {self.queue_retry_seconds}")
+        if self.stall_seconds <= 0:
+            raise ValueError(f"stall_seconds must be > 0, got {self.stall_seconds}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where and how the gRPC server listens, and how it shuts down."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    grace_seconds: float = 30.0
+    max_receive_bytes: int = 4 * 1024 * 1024
+    max_concurrent_streams: int = 256
+    metrics_port: int | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    auth_token: str | None = field(default=None, repr=False)
+    log_text: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0..65535, got {self.port}")
+        if self.grace_seconds < 0:
+            raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
+        _positive("max_receive_bytes", self.max_receive_bytes)
+        _positive("max_concurrent_streams", self.max_concurrent_streams)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key")
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

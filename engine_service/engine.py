@@ -1,0 +1,221 @@
+"""The async front of the engine: submit a parsed request, stream its tokens back.
+
+Bridges the event loop and the decode loop thread: the loop thread hands each step's emissions
+over with one `call_soon_threadsafe`; each request's TokenStream coalesces the tokens that
+arrived since its reader last looked into one chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from engine_service.config import EngineConfig
+from engine_service.faults import FaultInjector
+from engine_service.loop import DecodeLoop, Emission, set_threads
+from engine_service.model.loader import LoadedModel, load_model
+from engine_service.model_runner import ModelRunner
+from engine_service.requests import Limits, Request
+from engine_service.scheduler import LoadSnapshot, Scheduler
+from engine_service.sequence import FinishReason, Sequence, Timings
+from shared.errors import EngineDraining, EngineError, EngineUnavailable
+
+log = structlog.get_logger()
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str
+    max_context_tokens: int
+    max_new_tokens_limit: int
+    max_batch_size: int
+    queue_capacity: int
+    vocab_size: int
+    eos_token_id: int | None
+    bos_token_id: int | None
+    device: str
+    dtype: str
+    tokenizer: str
+
+
+@dataclass
+class Chunk:
+    """Tokens since the reader last looked; `finish` or `error` on the last chunk."""
+
+    tokens: list[int]
+    finish: FinishReason | None = None
+    error: EngineError | None = None
+
+
+@dataclass(eq=False)
+class TokenStream:
+    """One request's tokens on the event loop side."""
+
+    _pending: list[int] = field(default_factory=list)
+    _finish: FinishReason | None = None
+    _error: EngineError | None = None
+    _done: bool = False
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def push(self, emission: Emission) -> None:
+        self._pending.extend(emission.tokens)
+        if emission.finish is not None or emission.error is not None:
+            self._finish, self._error, self._done = emission.finish, emission.error, True
+        self._ready.set()
+
+    def fail(self, error: EngineError) -> None:
+        if not self._done:
+            self._error, self._done = error, True
+            self._ready.set()
+
+    async def next(self) -> Chunk:
+        await self._ready.wait()
+        self._ready.clear()
+        tokens, self._pending = self._pending, []
+        if self._done:
+            return Chunk(tokens, self._finish, self._error)
+        return Chunk(tokens)
+
+
+@dataclass(eq=False)
+class Handle:
+    """What the servicer holds for one submitted request."""
+
+    seq: Sequence
+    stream: TokenStream
+
+    @property
+    def timings(self) -> Timings:
+        return self.seq.timings
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.loaded: LoadedModel | None = None
+        self.info: EngineInfo | None = None
+        self.limits: Limits | None = None
+        self.ready = asyncio.Event()
+        self.draining = False
+        self._grace = 0.0
+        self._live: set[Handle] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._fatal_callbacks: list[Callable[[BaseException], None]] = []
+        self._scheduler: Scheduler | None = None
+        self._loop_thread: DecodeLoop | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load the model off the event loop, then start the decode loop thread."""
+        self._event_loop = asyncio.get_running_loop()
+        cfg = self.config
+        set_threads(cfg.threads)
+        device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+        loaded = await asyncio.to_thread(load_model, cfg.model, device, dtype)
+        runner = await asyncio.to_thread(ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype)
+        self.loaded = loaded
+        self.limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)
+        self.info = EngineInfo(
+            model=loaded.name, max_context_tokens=cfg.max_context, max_new_tokens_limit=cfg.max_new_tokens_limit,
+            max_batch_size=cfg.max_batch, queue_capacity=cfg.queue_capacity, vocab_size=loaded.config.vocab_size,
+            eos_token_id=loaded.tokenizer.eos_token_id, bos_token_id=loaded.tokenizer.bos_token_id,
+            device=str(device), dtype=cfg.dtype, tokenizer=loaded.tokenizer.kind,
+        )
+        self._scheduler = Scheduler(cfg.max_batch, cfg.max_context, cfg.queue_capacity, cfg.queue_retry_seconds,
+                                    prefill_token_budget=max(cfg.max_context, 4096))
+        self._loop_thread = DecodeLoop(runner, self._scheduler, FaultInjector(cfg.faults),
+                                       loaded.tokenizer.eos_token_id, self._deliver_threadsafe, self._fatal_threadsafe)
+        self._loop_thread.start()
+        self.ready.set()
+        log.info("engine_ready", model=loaded.name, device=str(device), dtype=cfg.dtype,
+                 kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
+                 tokenizer=loaded.tokenizer.kind)
+
+    def on_fatal(self, callback: Callable[[BaseException], None]) -> None:
+        self._fatal_callbacks.append(callback)
+
+    def begin_drain(self, grace_seconds: float) -> None:
+        self.draining, self._grace = True, grace_seconds
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight; False if `timeout` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def end_all(self, error: EngineError) -> int:
+        """End every stream still in flight with `error`; returns how many."""
+        live = list(self._live)
+        for handle in live:
+            handle.seq.cancelled = True
+            handle.stream.fail(error)
+        if self._scheduler is not None:
+            self._scheduler.wake()
+        return len(live)
+
+    def stop(self) -> None:
+        if self._loop_thread is not None:
+            self._loop_thread.stop()
+
+    # -- requests --------------------------------------------------------------------------
+    def submit(self, request: Request, trace: object = None) -> Handle:
+        """Queue a request. Raises EngineDraining or QueueFull."""
+        if self.draining:
+            raise EngineDraining.build(self._grace)
+        assert self._scheduler is not None, "submit before start"
+        handle = Handle(Sequence(request, sink=None, trace=trace), TokenStream())
+        handle.seq.sink = handle.stream
+        self._scheduler.submit(handle.seq)
+        self._live.add(handle)
+        self._idle.clear()
+        return handle
+
+    def release(self, handle: Handle) -> None:
+        """The servicer is done with this request (finished, failed or cancelled by the caller).
+        A sequence still held by the loop is cancelled and frees its row within one step."""
+        if handle in self._live:
+            self._live.discard(handle)
+            if not handle.stream._done:
+                handle.seq.cancelled = True
+                assert self._scheduler is not None
+                self._scheduler.wake()
+        if not self._live:
+            self._idle.set()
+
+    def load(self) -> LoadSnapshot:
+        return self._scheduler.load if self._scheduler is not None else LoadSnapshot()
+
+    def waiting(self) -> int:
+        return self._scheduler.waiting_count() if self._scheduler is not None else 0
+
+    # -- from the decode loop thread -------------------------------------------------------
+    def _deliver_threadsafe(self, emissions: list[Emission]) -> None:
+        if emissions:
+            assert self._event_loop is not None
+            self._event_loop.call_soon_threadsafe(self._deliver, emissions)
+
+    @staticmethod
+    def _deliver(emissions: list[Emission]) -> None:
+        for emission in emissions:
+            emission.seq.sink.push(emission)  # type: ignore[attr-defined]
+
+    def _fatal_threadsafe(self, exc: BaseException) -> None:
+        assert self._event_loop is not None
+        self._event_loop.call_soon_threadsafe(self._fatal, exc)
+
+    def _fatal(self, exc: BaseException) -> None:
+        self.draining = True
+        self.end_all(EngineUnavailable(f"engine stopped on a fatal error ({type(exc).__name__}); retry after restart"))
+        for callback in self._fatal_callbacks:
+            callback(exc)
+

@@ -1,0 +1,146 @@
+"""The decode loop: its own thread, and the one place that decides recovery.
+
+One step reads top to bottom: drop -> admit -> forward -> sample -> emit -> retire.
+A SequenceError aborts that one sequence and the others go on untouched. Anything else is not
+understood here: it is logged as `engine_fatal` with its traceback and the process exits
+non-zero (the supervisor restarts it in a known-good state). There is no retry loop.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from engine_service.faults import FaultInjector
+from engine_service.model_runner import ModelRunner
+from engine_service.sampler import new_generator, sample
+from engine_service.scheduler import Scheduler
+from engine_service.sequence import FinishReason, Sequence
+from shared.errors import DeadlineExceeded, EngineError, SequenceError
+
+log = structlog.get_logger()
+
+FATAL_EXIT_CODE = 70  # EX_SOFTWARE
+FATAL_EXIT_AFTER_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class Emission:
+    """What one sequence produced in one step, delivered to its stream on the event loop."""
+
+    seq: Sequence
+    tokens: tuple[int, ...]
+    finish: FinishReason | None = None
+    error: EngineError | None = None
+    at: float = 0.0
+
+
+Deliver = Callable[[list[Emission]], None]
+
+
+class DecodeLoop:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, faults: FaultInjector, eos_token_id: int | None,
+                 deliver: Deliver, on_fatal: Callable[[BaseException], None]) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.faults = faults
+        self.eos_token_id = eos_token_id
+        self._deliver = deliver
+        self._on_fatal = on_fatal
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.scheduler.stop()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while self.scheduler.wait_for_work():
+                self.step()
+        except BaseException as exc:  # noqa: BLE001 - not a catch: the fatal path, which exits the process
+            self._fatal(exc)
+
+    def _fatal(self, exc: BaseException) -> None:
+        log.critical("engine_fatal", error_type=type(exc).__name__, step=self.steps, exc_info=exc)
+        # The event loop sets health NOT_SERVING and ends the streams; if it cannot within the
+        # bound, the process exits from here anyway.
+        watchdog = threading.Timer(FATAL_EXIT_AFTER_SECONDS, os._exit, (FATAL_EXIT_CODE,))
+        watchdog.daemon = True
+        watchdog.start()
+        self._on_fatal(exc)
+
+    def step(self) -> None:
+        now = time.monotonic()
+        out: list[Emission] = []
+        sched = self.scheduler
+        # drop: cancelled and expired sequences free their rows before anything runs
+        for seq in sched.take_dropped_waiting(now):
+            out.append(self._dropped(seq, now))
+        sched.count_finished(len(out))
+        for seq in sched.remove_rows(sched.rows_to_drop(now), self.runner.cache.move_row):
+            out.append(self._dropped(seq, now))
+        # admit
+        n_old = len(sched.running)
+        admitted = sched.admit()
+        if not sched.running:
+            sched.publish_load()
+            self._deliver(out)
+            return
+        self.steps += 1
+        self.faults.before_forward(self.steps)
+        # forward + sample
+        for seq in admitted:
+            seq.timings.prefill_started = now
+            seq.generator = new_generator(seq.request.sampling, self.runner.device)
+        logits = self.runner.forward(sched.running, n_old)
+        running = sched.running
+        tokens = sample(logits, [s.request.sampling for s in running], [s.generator for s in running])
+        # emit: one sequence failing is that sequence's business alone
+        emitted_at = time.monotonic()
+        doomed = self.faults.doomed_rows(self.steps, [s.request_id for s in running], [len(s.generated) for s in running])
+        finished: list[int] = []
+        for row, (seq, token) in enumerate(zip(running, tokens, strict=True)):
+            try:
+                out.append(self._emit(seq, token, row in doomed, emitted_at))
+            except SequenceError as err:
+                log.warning("sequence_aborted", request_id=seq.request_id, reason=err.reason, cause=err.metadata.get("cause"))
+                out.append(Emission(seq, (), error=err, at=emitted_at))
+                finished.append(row)
+                continue
+            if out[-1].finish is not None:
+                finished.append(row)
+        # retire
+        sched.remove_rows(finished, self.runner.cache.move_row)
+        sched.publish_load()
+        self._deliver(out)
+
+    def _emit(self, seq: Sequence, token: int, doomed: bool, at: float) -> Emission:
+        if doomed:
+            raise self.faults.fail(seq.request_id, len(seq.generated), self.steps)
+        seq.cache_len = seq.total_len  # this step's input is now in the cache
+        seq.generated.append(token)
+        if seq.timings.first_token is None:
+            seq.timings.first_token = at
+        seq.timings.last_token = at
+        return Emission(seq, (token,), finish=seq.finish_reason(token, self.eos_token_id), at=at)
+
+    @staticmethod
+    def _dropped(seq: Sequence, now: float) -> Emission:
+        """A cancelled sequence needs no answer (its caller left); an expired one is told so."""
+        error = None if seq.cancelled else DeadlineExceeded.build(seq.request_id, len(seq.generated))
+        return Emission(seq, (), error=error, at=now)
+
+
+def set_threads(threads: int) -> None:
+    if threads:
+        torch.set_num_threads(threads)

@@ -1,0 +1,41 @@
+"""Next-token selection: greedy rows in one vectorised argmax, sampled rows each with their own
+seeded generator (temperature, then top-k, then top-p, as Hugging Face orders its warpers)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine_service.requests import SamplingParams
+
+
+def new_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """A generator seeded from the request (greedy requests need none)."""
+    if params.greedy:
+        return None
+    return torch.Generator(device=device).manual_seed(params.seed)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None]) -> list[int]:
+    """One token per row of `logits` (B, V), float32."""
+    tokens = logits.argmax(dim=-1)
+    for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
+        if not p.greedy:
+            tokens[row] = _sample_row(logits[row], p, generator)
+    return tokens.tolist()
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        beyond = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix reaching top_p
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(beyond, float("-inf")))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[0]

@@ -1,0 +1,58 @@
+"""A request's life inside the engine: its tokens, its place in the KV cache, its timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_service.requests import Request
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP = "stop"
+
+
+@dataclass
+class Timings:
+    accepted: float = field(default_factory=time.monotonic)
+    prefill_started: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Mutable; after admission only the decode loop thread touches it, except `cancelled`,
+    which the event loop sets (a single attribute store, atomic under the GIL)."""
+
+    request: Request
+    sink: object  # engine.TokenStream, opaque here
+    trace: object = None  # trace context carried across to the loop thread, opaque here
+    generated: list[int] = field(default_factory=list)
+    cache_len: int = 0  # tokens whose keys and values are in the cache
+    generator: torch.Generator | None = None
+    timings: Timings = field(default_factory=Timings)
+    cancelled: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def total_len(self) -> int:
+        return len(self.request.prompt_ids) + len(self.generated)
+
+    def finish_reason(self, token: int, eos_token_id: int | None) -> FinishReason | None:
+        """Why the sequence ends after producing `token` (already appended), or None."""
+        if token in self.request.stop_token_ids:
+            return FinishReason.STOP
+        if token == eos_token_id and not self.request.ignore_eos:
+            return FinishReason.EOS
+        if len(self.generated) >= self.request.max_new_tokens:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,130 @@
+"""The gRPC server: EngineService, health, reflection; start-up, drain and fatal shutdown.
+
+`create_server` builds and binds (tests use port 0); `serve` runs the whole lifecycle and
+returns the process exit code: 0 after a drain, 2 when the model cannot load, 70 after a
+fatal error in the decode loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.v1 import engine_pb2
+from engine_service.config import EngineConfig, ServerConfig
+from engine_service.engine import Engine
+from engine_service.loop import FATAL_EXIT_CODE
+from engine_service.servicer import SERVICE_NAME, EngineServicer
+from shared.errors import EngineDraining
+
+log = structlog.get_logger()
+
+STARTUP_FAILED_EXIT_CODE = 2
+HEALTH_SERVICES = ("", SERVICE_NAME)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    engine: Engine
+
+
+def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", cfg.max_receive_bytes),
+        ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+async def create_server(engine: Engine, cfg: ServerConfig) -> RunningServer:
+    """Build the server with every service registered and bind it; health starts NOT_SERVING."""
+    server = grpc.aio.server(options=grpc_options(cfg))
+    servicer = EngineServicer(engine, cfg.grace_seconds)
+    server.add_generic_rpc_handlers((servicer.handler(),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name, health.SERVICE_NAME,
+         reflection.SERVICE_NAME),
+        server,
+    )
+    for name in HEALTH_SERVICES:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    address = f"{cfg.host}:{cfg.port}"
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind the gRPC server to {address}")
+    return RunningServer(server, port, health_servicer, engine)
+
+
+async def set_health(running: RunningServer, status: int) -> None:
+    for name in HEALTH_SERVICES:
+        await running.health.set(name, status)
+
+
+async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
+    """Run until drained (exit 0), until the model fails to load (2) or until a fatal error (70)."""
+    engine = Engine(engine_cfg)
+    running = await create_server(engine, server_cfg)
+    await running.server.start()
+    log.info("server_started", host=server_cfg.host, port=running.port)
+
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    fatal = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_requested.set)
+    engine.on_fatal(lambda exc: fatal.set())
+
+    starting = asyncio.create_task(engine.start())
+    stopping = asyncio.create_task(stop_requested.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if starting.done() and starting.exception() is not None:
+        err = starting.exception()
+        log.error("engine_start_failed", error_type=type(err).__name__, error=str(err))
+        await running.server.stop(0)
+        return STARTUP_FAILED_EXIT_CODE
+    if not starting.done():
+        starting.cancel()
+        log.info("engine_stopped_while_loading")
+        await running.server.stop(0)
+        return 0
+    await set_health(running, health_pb2.HealthCheckResponse.SERVING)
+    log.info("engine_serving", port=running.port)
+
+    fatal_wait = asyncio.create_task(fatal.wait())
+    await asyncio.wait({stopping, fatal_wait}, return_when=asyncio.FIRST_COMPLETED)
+    if fatal.is_set():
+        await set_health(running, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await engine.wait_idle(0.5)  # the streams in flight are being told UNAVAILABLE
+        await running.server.stop(0.5)
+        log.error("engine_exiting", exit_code=FATAL_EXIT_CODE)
+        return FATAL_EXIT_CODE
+    fatal_wait.cancel()
+    return await drain(running, server_cfg.grace_seconds)
+
+
+async def drain(running: RunningServer, grace_seconds: float) -> int:
+    """Admit nothing new (ENGINE_DRAINING), let streams in flight finish within the grace period,
+    end the rest with ENGINE_DRAINING, then stop the server."""
+    engine = running.engine
+    engine.begin_drain(grace_seconds)
+    await running.health.enter_graceful_shutdown()
+    log.info("engine_draining", grace_seconds=grace_seconds, in_flight=engine.load().running_sequences)
+    if not await engine.wait_idle(grace_seconds):
+        cut = engine.end_all(EngineDraining.build(grace_seconds))
+        log.warning("drain_grace_expired", streams_cut=cut)
+        await engine.wait_idle(2.0)
+    engine.stop()
+    await running.server.stop(1.0)
+    log.info("engine_stopped", exit_code=0)
+    return 0

@@ -1,0 +1,163 @@
+"""The boundary: bytes in, a frozen domain request inside, protobuf responses out.
+
+Requests are decoded here (not by gRPC, which would answer UNKNOWN with the parser's text), parsed
+once into `Request`, and every failure leaves through one place: `_abort`, with the status that
+`shared.errors` assigns to the exception.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from google.protobuf.message import DecodeError
+
+from engine.v1 import engine_pb2 as pb
+from engine_service import __version__
+from engine_service.engine import Engine, Handle
+from engine_service.requests import Request
+from engine_service.sequence import FinishReason
+from shared.errors import EngineError, InternalError, InvalidField, status_code_of, to_status
+
+log = structlog.get_logger()
+
+SERVICE_NAME = "engine.v1.EngineService"
+FINISH_REASONS = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+}
+
+
+def _parse_bytes(cls, raw: bytes):  # type: ignore[no-untyped-def]
+    try:
+        return cls.FromString(raw)
+    except DecodeError as err:
+        raise InvalidField("request", f"{len(raw)} bytes",
+                           f"request must be a serialized {cls.DESCRIPTOR.full_name}, got {len(raw)} undecodable bytes ({err})") from None
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: EngineError) -> None:
+    status = to_status(err)
+    await context.abort(status.code, status.details, status.trailing_metadata)
+
+
+class EngineServicer:
+    def __init__(self, engine: Engine, grace_seconds: float) -> None:
+        self.engine = engine
+        self.grace_seconds = grace_seconds
+
+    async def decode(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
+        started = time.monotonic()
+        request_id, handle, error, outcome = "", None, None, "CANCELLED"
+        try:
+            msg = _parse_bytes(pb.DecodeRequest, raw)
+            request_id = msg.request_id
+            await self.engine.ready.wait()
+            remaining = context.time_remaining()
+            deadline = started + remaining if remaining is not None else None
+            request = Request.parse(msg, self.engine.limits, self.engine.loaded.tokenizer, deadline)
+            request_id = request.request_id
+            handle = self.engine.submit(request)
+            async for response in self._stream(handle):
+                yield response
+            outcome = "OK"
+        except EngineError as err:
+            error = err
+        except Exception:
+            log.exception("request_internal_error", request_id=request_id)
+            error = InternalError.build(request_id or "unassigned")
+        finally:
+            if handle is not None:
+                self.engine.release(handle)
+            if error is not None:
+                outcome = status_code_of(error).name
+            self._log_finished(request_id, handle, outcome, error, started)
+        if error is not None:
+            await _abort(context, error)
+
+    async def _stream(self, handle: Handle) -> AsyncIterator[pb.DecodeResponse]:
+        request_id = handle.seq.request_id
+        detok = self.engine.loaded.tokenizer.stream_decoder()
+        while True:
+            chunk = await handle.stream.next()
+            if chunk.tokens:
+                response = pb.DecodeResponse(request_id=request_id, token_ids=chunk.tokens, text=detok.step(chunk.tokens))
+            else:
+                response = pb.DecodeResponse(request_id=request_id)
+            if chunk.error is not None:
+                if chunk.tokens:
+                    yield response
+                raise chunk.error
+            if chunk.finish is not None:
+                seq = handle.seq
+                t = seq.timings
+                response.finish_reason = FINISH_REASONS[chunk.finish]
+                response.usage.prompt_tokens = len(seq.request.prompt_ids)
+                response.usage.completion_tokens = len(seq.generated)
+                response.timing.queue_seconds = (t.prefill_started or t.accepted) - t.accepted
+                response.timing.time_to_first_token_seconds = (t.first_token or t.accepted) - t.accepted
+                response.timing.total_seconds = (t.last_token or t.accepted) - t.accepted
+                yield response
+                return
+            if chunk.tokens:
+                yield response
+
+    def _log_finished(self, request_id: str, handle: Handle | None, outcome: str, error: EngineError | None,
+                      started: float) -> None:
+        fields: dict[str, object] = {"request_id": request_id, "status": outcome,
+                                     "duration_s": round(time.monotonic() - started, 6)}
+        if error is not None:
+            fields["reason"] = error.reason
+        if handle is not None:
+            t = handle.timings
+            fields.update(prompt_tokens=len(handle.seq.request.prompt_ids), output_tokens=len(handle.seq.generated))
+            if t.prefill_started is not None:
+                fields["queue_s"] = round(t.prefill_started - t.accepted, 6)
+            if t.first_token is not None:
+                fields["ttft_s"] = round(t.first_token - t.accepted, 6)
+        log.info("request_finished", **fields)
+
+    async def get_server_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ServerInfo:
+        try:
+            _parse_bytes(pb.GetServerInfoRequest, raw)
+        except EngineError as err:
+            await _abort(context, err)
+        await self.engine.ready.wait()
+        info = self.engine.info
+        return pb.ServerInfo(
+            model=info.model, max_context_tokens=info.max_context_tokens,
+            max_new_tokens_limit=info.max_new_tokens_limit, max_batch_size=info.max_batch_size,
+            queue_capacity=info.queue_capacity, vocab_size=info.vocab_size,
+            eos_token_id=info.eos_token_id if info.eos_token_id is not None else 0,
+            bos_token_id=info.bos_token_id if info.bos_token_id is not None else 0,
+            device=info.device, dtype=info.dtype, tokenizer=info.tokenizer, engine_version=__version__,
+        )
+
+    async def get_load(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.Load:
+        try:
+            _parse_bytes(pb.GetLoadRequest, raw)
+        except EngineError as err:
+            await _abort(context, err)
+        load = self.engine.load()
+        return pb.Load(
+            running_sequences=load.running_sequences, waiting_requests=self.engine.waiting(),
+            kv_cache_used_tokens=load.kv_cache_used_tokens, kv_cache_capacity_tokens=load.kv_cache_capacity_tokens,
+            requests_finished=load.requests_finished, draining=self.engine.draining,
+        )
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """Handlers that take raw bytes, so that undecodable requests get our INVALID_ARGUMENT."""
+        handlers = {
+            "Decode": grpc.unary_stream_rpc_method_handler(
+                self.decode, response_serializer=pb.DecodeResponse.SerializeToString),
+            "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+                self.get_server_info, response_serializer=pb.ServerInfo.SerializeToString),
+            "GetLoad": grpc.unary_unary_rpc_method_handler(
+                self.get_load, response_serializer=pb.Load.SerializeToString),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
