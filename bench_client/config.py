@@ -210,6 +210,9 @@ def _engine(raw_value: Any) -> EngineLaunchConfig:
                 raise ConfigError(f"engine.command placeholder {{{placeholder}}} is neither a builtin "
                                   f"({', '.join(sorted(BUILTIN_PLACEHOLDERS))}) nor a key of [engine.grid], "
                                   f"got it in {part!r}")
+    if not any("{port}" in part for part in command):
+        raise ConfigError(f"engine.command must contain the placeholder {{port}} (the runner picks a free "
+                          f"port for each engine), got {command!r}")
     d = EngineLaunchConfig(command=())
     return EngineLaunchConfig(
         command=tuple(command),

@@ -1,0 +1,132 @@
+"""CLI: `python -m bench_client sweep [CONFIG.toml] --out DIR [--resume] [--detail]` and
+`python -m bench_client report DIR`. Without CONFIG, the sweep runs the packaged demo (demo.toml).
+
+Exit codes: 0 every point recorded; 1 the sweep stopped (engine down, credentials; resumable);
+2 a usage or configuration error; 130/143 interrupted by SIGINT/SIGTERM after draining (resumable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from bench_client.config import ConfigError, SweepConfig, load_config
+from bench_client.progress import SweepProgress
+from bench_client.report import print_table, write_plots
+from bench_client.results import ResultsDir, ResultsError, load_for_report
+from bench_client.sweep import SweepEnd, SweepRunner
+from shared.logging import configure_logging
+
+log = structlog.get_logger()
+
+EXIT_OK = 0
+EXIT_STOPPED = 1
+EXIT_USAGE = 2
+
+
+def _configure_logging() -> None:
+    """The process-wide structlog set-up: JSON lines when stderr is not a TTY."""
+    configure_logging("info")
+
+
+def _sweep_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("config", nargs="?", type=Path, default=None,
+                        help="sweep configuration (TOML); the packaged demo.toml when omitted")
+    parser.add_argument("--out", type=Path, required=True, help="results directory (must be empty unless --resume)")
+    parser.add_argument("--resume", action="store_true", help="run only the points not yet recorded in --out")
+    parser.add_argument("--detail", action="store_true", help="also write one line per request to requests.jsonl")
+    return parser
+
+
+def _load(path: Path | None) -> SweepConfig:
+    if path is None:
+        with resources.as_file(resources.files("bench_client") / "demo.toml") as demo:
+            return load_config(demo)
+    return load_config(path)
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    try:
+        config = _load(args.config)
+        results = ResultsDir.open(args.out, resume=args.resume, detail=args.detail)
+    except (ConfigError, ResultsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with SweepProgress() as progress:
+            runner = SweepRunner(config, results, progress)
+            result, signum = asyncio.run(_run_with_signals(runner))
+    finally:
+        results.close()
+    print_table(results.records)
+    plots = write_plots(results.records, args.out)
+    log.info("report_written", results=str(args.out / "results.jsonl"), plots=[str(p) for p in plots])
+    if result.end is SweepEnd.STOPPED:
+        print(f"sweep stopped: {result.message}\nrecorded points are intact; fix the cause and run again with "
+              f"--resume --out {args.out}", file=sys.stderr)
+        return EXIT_STOPPED
+    if result.end is SweepEnd.INTERRUPTED:
+        return 128 + (signum or signal.SIGTERM)
+    return EXIT_OK
+
+
+async def _run_with_signals(runner: SweepRunner) -> tuple[Any, int | None]:
+    """First SIGTERM/SIGINT: finish the current point, drain, return. Second: cancel at once."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            runner.request_stop()
+        elif task is not None:
+            log.warning("sweep_cancelled", signal=signal.Signals(signum).name)
+            task.cancel()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    result = await runner.run()
+    return result, (received[0] if received else None)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    try:
+        records = load_for_report(args.dir / "results.jsonl")
+    except ResultsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print_table(records)
+    for path in write_plots(records, args.dir):
+        print(f"wrote {path}")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _configure_logging()
+    parser = argparse.ArgumentParser(prog="python -m bench_client", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    _sweep_parser(commands.add_parser("sweep", help="run a sweep"))
+    report = commands.add_parser("report", help="print the table and write the plots of a results directory")
+    report.add_argument("dir", type=Path)
+    args = parser.parse_args(argv)
+    return run_sweep(args) if args.command == "sweep" else run_report(args)
+
+
+def sweep_main(argv: Sequence[str] | None = None) -> int:
+    """The `bench-sweep` console script: the same arguments as `python -m bench_client sweep`."""
+    _configure_logging()
+    args = _sweep_parser(argparse.ArgumentParser(prog="bench-sweep")).parse_args(argv)
+    return run_sweep(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

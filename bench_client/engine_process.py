@@ -1,0 +1,198 @@
+"""A managed engine: the client starts it as a subprocess, waits for health, restarts it after a
+crash (bounded), drains it with SIGTERM, and keeps its exit code and log tail for the results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from bench_client.config import EngineLaunchConfig
+from bench_client.rpc import EngineClient
+
+log = structlog.get_logger()
+
+class EngineStartError(Exception):
+    """A managed engine did not become SERVING; the message carries its exit code and log tail."""
+
+
+@dataclass(frozen=True)
+class EngineExit:
+    """How one engine process ended, as recorded in engines.jsonl."""
+
+    settings: dict[str, Any]
+    command: tuple[str, ...]
+    pid: int
+    port: int
+    how: str  # "drained", "killed_after_drain_timeout", "crashed", "failed_to_start"
+    exit_code: int | None
+    started_at: float
+    stopped_at: float
+    log_file: str
+    log_tail: tuple[str, ...]
+
+    def as_record(self) -> dict[str, Any]:
+        return {
+            "engine": self.settings, "command": list(self.command), "pid": self.pid, "port": self.port,
+            "how": self.how, "exit_code": self.exit_code, "started_at": self.started_at,
+            "stopped_at": self.stopped_at, "log_file": self.log_file, "log_tail": list(self.log_tail),
+        }
+
+
+def engine_configurations(launch: EngineLaunchConfig) -> list[dict[str, Any]]:
+    """Every combination of the [engine.grid] settings, in the order the grid lists them."""
+    keys = [key for key, _ in launch.grid]
+    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*(v for _, v in launch.grid))]
+
+
+def build_command(launch: EngineLaunchConfig, settings: Mapping[str, Any], port: int) -> list[str]:
+    """Fill the command template; grid settings it does not mention are appended as `--key-name value`."""
+    values = {"python": sys.executable, "port": str(port), **{k: _flag_value(v) for k, v in settings.items()}}
+    command = [part.format(**values) for part in launch.command]
+    for key, value in settings.items():
+        if not any(f"{{{key}}}" in part for part in launch.command):
+            command += [f"--{key.replace('_', '-')}", _flag_value(value)]
+    return command
+
+
+def _flag_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ManagedEngine:
+    """One engine configuration's process (and its restarts); also the sweep's HealthGate for it."""
+
+    def __init__(self, launch: EngineLaunchConfig, settings: dict[str, Any], log_path: Path,
+                 on_exit: Callable[[EngineExit], None]) -> None:
+        self.launch = launch
+        self.settings = settings
+        self.log_path = log_path
+        self.port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.command = tuple(build_command(launch, settings, self.port))
+        self.restarts = 0
+        self._on_exit = on_exit  # called with each EngineExit
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._started_at = 0.0
+        self._last_exit: EngineExit | None = None
+        self._lock = asyncio.Lock()
+        self._client = EngineClient(self.target)
+
+    async def start(self) -> None:
+        """Spawn the engine and wait for SERVING within startup_timeout_s, else EngineStartError."""
+        self._spawn()
+        if not await self._wait_healthy(self.launch.startup_timeout_s):
+            exit_ = await self._stop(how="failed_to_start")
+            raise EngineStartError(
+                f"engine {self.settings} ({' '.join(self.command)}) was not SERVING within "
+                f"engine.startup_timeout_s={self.launch.startup_timeout_s:g} s; exit code {exit_.exit_code}; "
+                f"log {self.log_path}:\n" + "\n".join(exit_.log_tail[-15:]))
+
+    async def wait_until_serving(self, timeout: float) -> bool:
+        """The HealthGate: restart a crashed engine (at most engine.max_restarts), then wait for health."""
+        async with self._lock:
+            if self._proc is not None and self._proc.poll() is not None:
+                self._record_exit("crashed")
+                if self.restarts >= self.launch.max_restarts:
+                    log.error("engine_not_restarted", engine=self.settings, restarts=self.restarts,
+                              max_restarts=self.launch.max_restarts)
+                    return False
+                self.restarts += 1
+                log.warning("engine_restarting", engine=self.settings, restart=self.restarts)
+                self._spawn()
+            return await self._wait_healthy(max(timeout, self.launch.startup_timeout_s))
+
+    async def stop(self) -> EngineExit:
+        """Drain with SIGTERM; SIGKILL after engine.drain_timeout_s."""
+        return await self._stop(how="drained")
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    def _spawn(self) -> None:
+        log.info("engine_starting", engine=self.settings, command=" ".join(self.command), port=self.port)
+        with self.log_path.open("ab") as log_file:
+            # Through parent_death, so that the engine gets SIGTERM if the sweep dies (even by kill -9).
+            guard = [sys.executable, "-m", "bench_client.parent_death", str(os.getpid())]
+            self._proc = subprocess.Popen([*guard, *self.command], stdin=subprocess.DEVNULL, stdout=log_file,
+                                          stderr=subprocess.STDOUT)
+        self._started_at = time.time()
+
+    async def _wait_healthy(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                return False
+            if await self._client.is_serving(timeout=1.0):
+                log.info("engine_serving", engine=self.settings, target=self.target, pid=self._proc.pid)
+                return True
+            await asyncio.sleep(0.2)
+        return False
+
+    async def _stop(self, how: str) -> EngineExit:
+        proc = self._proc
+        if proc is None:
+            raise RuntimeError(f"engine {self.settings} was never started")
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.launch.drain_timeout_s
+            while proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            if proc.poll() is None:
+                log.warning("engine_killed", engine=self.settings, pid=proc.pid,
+                            drain_timeout_s=self.launch.drain_timeout_s)
+                proc.kill()
+                proc.wait()
+                how = "killed_after_drain_timeout"
+        elif how == "drained":
+            how = "crashed"
+        return self._record_exit(how)
+
+    def _record_exit(self, how: str) -> EngineExit:
+        proc = self._proc
+        if proc is None or proc.returncode is None:
+            raise RuntimeError(f"engine {self.settings} has not exited")
+        if self._last_exit is not None and self._last_exit.pid == proc.pid:
+            return self._last_exit  # this process's exit is already recorded
+        exit_ = EngineExit(
+            settings=self.settings, command=self.command, pid=proc.pid, port=self.port, how=how,
+            exit_code=proc.returncode, started_at=self._started_at, stopped_at=time.time(),
+            log_file=self.log_path.name, log_tail=tuple(tail(self.log_path, self.launch.log_tail_lines)),
+        )
+        level = log.info if how == "drained" and proc.returncode == 0 else log.warning
+        level("engine_exited", engine=self.settings, how=how, exit_code=proc.returncode, pid=proc.pid)
+        self._on_exit(exit_)
+        self._last_exit = exit_
+        return exit_
+
+
+def tail(path: Path, lines: int, max_bytes: int = 64 * 1024) -> list[str]:
+    """The last `lines` lines of a text file (reading at most its last `max_bytes`)."""
+    if lines <= 0 or not path.exists():
+        return []
+    with path.open("rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - max_bytes))
+        data = f.read()
+    return data.decode("utf-8", errors="replace").splitlines()[-lines:]

@@ -1,0 +1,235 @@
+"""One point of the sweep: its requests at a concurrency and arrival rate, each request handled
+by the policy table.
+
+The point's requests start as a Poisson process of `request_rate` (all at once when it is inf)
+and at most `concurrency` of them are in flight (a request keeps its slot while it backs off).
+Warmup requests run first, at the same concurrency, and are not measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from bench_client.config import PolicyConfig, WorkloadConfig
+from bench_client.metrics import Arrival, RequestTimeline
+from bench_client.policy import Action, backoff_delay, decide
+from bench_client.prompts import make_prompt
+from bench_client.rpc import Chunk, DecodeSpec, EngineClient, ServerInfo
+from shared.errors import EngineError, status_code_of
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class PointSpec:
+    context_tokens: int
+    max_new_tokens: int
+    concurrency: int
+    request_rate: float
+
+    def tag(self) -> str:
+        rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
+        return f"c{self.context_tokens}-n{self.max_new_tokens}-x{self.concurrency}-r{rate}"
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    index: int
+    warmup: bool
+    attempts: int
+    timeline: RequestTimeline | None  # set when the request succeeded
+    status_code: str | None = None  # the gRPC code name of a failed request
+    reason: str | None = None
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.timeline is not None
+
+
+@dataclass(frozen=True)
+class PointOutcome:
+    spec: PointSpec
+    requests: tuple[RequestOutcome, ...]  # the measured ones
+    duration_s: float
+    retries: int
+
+
+class PointSkipped(Exception):
+    """The engine said this point cannot run as asked (policy SKIP_POINT)."""
+
+    def __init__(self, error: EngineError) -> None:
+        super().__init__(f"point skipped: {error.reason or status_code_of(error).name}: {error.message}")
+        self.error = error
+
+
+class SweepStopped(Exception):
+    """No point can run now (policy STOP_SWEEP, or the engine stayed down); the sweep stops, resumable."""
+
+
+class HealthGate(Protocol):
+    async def wait_until_serving(self, timeout: float) -> bool: ...
+
+
+class PointObserver(Protocol):
+    def request_started(self, spec: PointSpec) -> None: ...
+
+    def request_finished(self, spec: PointSpec, outcome: RequestOutcome) -> None: ...
+
+
+class PointRunner:
+    def __init__(self, client: EngineClient, server_info: ServerInfo, workload: WorkloadConfig,
+                 policy: PolicyConfig, health: HealthGate, observer: PointObserver, run_id: str) -> None:
+        self.client = client
+        self.server_info = server_info
+        self.workload = workload
+        self.policy = policy
+        self.health = health
+        self.observer = observer
+        self.run_id = run_id
+        self._rng = random.Random(workload.seed)  # backoff jitter only
+
+    async def run(self, spec: PointSpec) -> PointOutcome:
+        """Warm up, then run the measured requests; raises PointSkipped or SweepStopped."""
+        if self.workload.warmup_requests:
+            await self._run_batch(spec, range(self.workload.warmup_requests), rate=math.inf, warmup=True)
+        started = time.perf_counter()
+        outcomes = await self._run_batch(spec, range(self.workload.requests_per_point), rate=spec.request_rate,
+                                         warmup=False)
+        duration = time.perf_counter() - started
+        retries = sum(o.attempts - 1 for o in outcomes)
+        return PointOutcome(spec=spec, requests=tuple(outcomes), duration_s=duration, retries=retries)
+
+    async def _run_batch(self, spec: PointSpec, indices: range, *, rate: float,
+                         warmup: bool) -> list[RequestOutcome]:
+        slots = asyncio.Semaphore(spec.concurrency)
+        offsets = arrival_offsets(len(indices), rate, random.Random(f"{self.workload.seed}:{spec.tag()}"))
+        started = time.perf_counter()
+
+        async def one(index: int, offset: float) -> RequestOutcome:
+            delay = started + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with slots:
+                return await self._request(spec, index, warmup)
+
+        tasks = [asyncio.create_task(one(i, off)) for i, off in zip(indices, offsets, strict=True)]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in tasks:
+                task.cancel()  # only the unfinished ones: a skip or stop ends the whole batch
+            await asyncio.wait(tasks)
+        _raise_first_error(tasks)
+        return [task.result() for task in tasks]
+
+    async def _request(self, spec: PointSpec, index: int, warmup: bool) -> RequestOutcome:
+        prompt = make_prompt(seed=self.workload.seed, length=spec.context_tokens,
+                             index=-1 - index if warmup else index, vocab_size=self.server_info.vocab_size,
+                             avoid=(self.server_info.eos_token_id, self.server_info.bos_token_id))
+        self.observer.request_started(spec)
+        attempt = 0
+        while True:
+            attempt += 1
+            decode = DecodeSpec(
+                request_id=f"{self.run_id}-{spec.tag()}-{'w' if warmup else 'm'}{index}-a{attempt}",
+                prompt_token_ids=prompt, max_new_tokens=spec.max_new_tokens, ignore_eos=self.workload.ignore_eos,
+                temperature=self.workload.temperature, top_p=self.workload.top_p, top_k=self.workload.top_k,
+                seed=self.workload.seed + index,
+            )
+            chunks: list[Chunk] = []
+            sent_at = time.perf_counter()
+            try:
+                async for chunk in self.client.decode(decode, timeout=self.policy.request_timeout_s):
+                    chunks.append(chunk)
+            except EngineError as err:
+                outcome = await self._after_error(spec, err, index, warmup, attempt, bool(chunks))
+                if outcome is None:
+                    continue
+            else:
+                outcome = _success(index, warmup, attempt, sent_at, chunks, len(prompt))
+            self.observer.request_finished(spec, outcome)
+            return outcome
+
+    async def _after_error(self, spec: PointSpec, err: EngineError, index: int, warmup: bool, attempt: int,
+                           streamed: bool) -> RequestOutcome | None:
+        """Apply the policy to one failed call: None means "retry", else the request's final outcome."""
+        action = decide(err, first_token_seen=streamed)
+        code = status_code_of(err).name
+        failed = RequestOutcome(index=index, warmup=warmup, attempts=attempt, timeline=None, status_code=code,
+                                reason=err.reason or None, message=err.message)
+        if action is Action.SKIP_POINT:
+            raise PointSkipped(err)
+        if action is Action.STOP_SWEEP:
+            raise SweepStopped(f"the engine answered {code} {err.reason or ''} ({err.message}); "
+                               "no request can succeed until that is fixed")
+        if action is Action.COUNT_FAILED:
+            return failed
+        if attempt >= self.policy.max_attempts:
+            log.warning("request_gave_up", point=spec.tag(), index=index, code=code, reason=err.reason,
+                        attempts=attempt)
+            return failed
+        if action is Action.RETRY_AFTER_BACKOFF:
+            delay = backoff_delay(attempt, server_delay=err.retry_delay, initial=self.policy.backoff_initial_s,
+                                  maximum=self.policy.backoff_max_s, rng=self._rng)
+            log.debug("request_backoff", point=spec.tag(), index=index, code=code, reason=err.reason,
+                      delay_s=round(delay, 4), attempt=attempt)
+            await asyncio.sleep(delay)
+            return None
+        if action is Action.WAIT_FOR_HEALTH_THEN_RETRY:
+            log.warning("engine_unavailable", point=spec.tag(), index=index, code=code, reason=err.reason,
+                        message=err.message, wait_s=self.policy.health_wait_s)
+            if not await self.health.wait_until_serving(self.policy.health_wait_s):
+                raise SweepStopped(f"the engine at {self.client.target} was not SERVING within "
+                                   f"policy.health_wait_s={self.policy.health_wait_s:g} s after {code} "
+                                   f"({err.message})")
+            return None
+        raise AssertionError(f"policy action {action!r} has no handler")  # a client bug: crash
+
+
+def arrival_offsets(count: int, rate: float, rng: random.Random) -> list[float]:
+    """Start offsets (s) of `count` requests: a Poisson process of `rate`/s, all 0 when rate is inf."""
+    if math.isinf(rate):
+        return [0.0] * count
+    offsets, now = [], 0.0
+    for _ in range(count):
+        offsets.append(now)
+        now += rng.expovariate(rate)
+    return offsets
+
+
+def _success(index: int, warmup: bool, attempts: int, sent_at: float, chunks: Sequence[Chunk],
+             prompt_tokens: int) -> RequestOutcome:
+    last = chunks[-1] if chunks else None
+    if last is None or last.finish_reason is None:
+        # The stream ended cleanly without its final message: a contract violation, counted as failed.
+        return RequestOutcome(index=index, warmup=warmup, attempts=attempts, timeline=None, status_code="OK",
+                              reason="STREAM_ENDED_WITHOUT_FINISH",
+                              message=f"the stream ended after {len(chunks)} messages without finish_reason")
+    timeline = RequestTimeline(
+        sent_at=sent_at,
+        arrivals=tuple(Arrival(c.received_at, c.num_tokens) for c in chunks),
+        prompt_tokens=last.prompt_tokens if last.prompt_tokens else prompt_tokens,
+        engine_queue_s=last.timing.queue_seconds if last.timing else None,
+        engine_ttft_s=last.timing.time_to_first_token_seconds if last.timing else None,
+    )
+    return RequestOutcome(index=index, warmup=warmup, attempts=attempts, timeline=timeline)
+
+
+def _raise_first_error(tasks: Sequence[asyncio.Task[RequestOutcome]]) -> None:
+    """Re-raise what ended a batch: a client bug first, then a stop, then a skip."""
+    errors = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
+    for kind in (None, SweepStopped, PointSkipped):
+        for error in errors:
+            if kind is None and not isinstance(error, (SweepStopped, PointSkipped)):
+                raise error  # type: ignore[misc]
+            if kind is not None and isinstance(error, kind):
+                raise error

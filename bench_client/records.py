@@ -1,0 +1,112 @@
+"""Building the JSON records of results.jsonl and requests.jsonl (schema documented in results.py)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from bench_client import metrics
+from bench_client.point import PointOutcome, PointSpec, RequestOutcome
+from bench_client.results import SCHEMA, rate_to_json
+from bench_client.rpc import ServerInfo
+
+ERROR_RATE_EXCEEDED = "ERROR_RATE_EXCEEDED"
+
+
+def _base(spec: PointSpec, engine: Mapping[str, Any] | None, target: str, server_info: ServerInfo | None,
+          run_id: str, started_at: float) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "context_tokens": spec.context_tokens,
+        "max_new_tokens": spec.max_new_tokens,
+        "concurrency": spec.concurrency,
+        "request_rate": rate_to_json(spec.request_rate),
+        "engine": dict(engine) if engine is not None else None,
+        "target": target,
+        "server_info": server_info.as_dict() if server_info is not None else None,
+        "run_id": run_id,
+        "started_at": started_at,
+        "finished_at": time.time(),
+    }
+
+
+def skipped_record(spec: PointSpec, *, engine: Mapping[str, Any] | None, target: str,
+                   server_info: ServerInfo | None, run_id: str, started_at: float, reason: str,
+                   reason_metadata: Mapping[str, str], message: str, without_sending: bool,
+                   sent: int = 0) -> dict[str, Any]:
+    return {
+        **_base(spec, engine, target, server_info, run_id, started_at),
+        "status": "skipped",
+        "reason": reason,
+        "reason_metadata": dict(reason_metadata),
+        "message": message,
+        "skipped_without_sending": without_sending,
+        "requests": {"sent": sent, "completed": 0, "failed": 0, "failed_by_code": {}, "retries": 0, "warmup": 0},
+        "metrics": None,
+    }
+
+
+def point_record(outcome: PointOutcome, *, engine: Mapping[str, Any] | None, target: str,
+                 server_info: ServerInfo, run_id: str, started_at: float, warmup: int,
+                 max_error_rate: float) -> dict[str, Any]:
+    """The record of a point that ran: `failed` when its error rate exceeds max_error_rate."""
+    ok = [r.timeline for r in outcome.requests if r.timeline is not None]
+    failed = [r for r in outcome.requests if r.timeline is None]
+    by_code = Counter(r.status_code or "UNKNOWN" for r in failed)
+    by_reason = Counter(r.reason for r in failed if r.reason)
+    error_rate = len(failed) / len(outcome.requests) if outcome.requests else 0.0
+    status = "failed" if error_rate > max_error_rate else "ok"
+    return {
+        **_base(outcome.spec, engine, target, server_info, run_id, started_at),
+        "status": status,
+        "reason": ERROR_RATE_EXCEEDED if status == "failed" else None,
+        "reason_metadata": {"errorRate": f"{error_rate:.4g}", "maxErrorRate": f"{max_error_rate:g}"}
+        if status == "failed" else {},
+        "message": f"{len(failed)} of {len(outcome.requests)} requests failed ({dict(by_code)})"
+        if failed else "",
+        "skipped_without_sending": False,
+        "requests": {
+            "sent": len(outcome.requests),
+            "completed": len(ok),
+            "failed": len(failed),
+            "failed_by_code": dict(sorted(by_code.items())),
+            "failed_by_reason": dict(sorted(by_reason.items())),
+            "retries": outcome.retries,
+            "warmup": warmup,
+        },
+        "metrics": metrics.compute(ok, outcome.duration_s).as_dict(),
+    }
+
+
+def request_record(spec: PointSpec, outcome: RequestOutcome, *, engine: Mapping[str, Any] | None,
+                   run_id: str) -> dict[str, Any]:
+    """One line of requests.jsonl (--detail): times in seconds relative to the request being sent."""
+    record: dict[str, Any] = {
+        "run_id": run_id,
+        "engine": dict(engine) if engine is not None else None,
+        "context_tokens": spec.context_tokens,
+        "max_new_tokens": spec.max_new_tokens,
+        "concurrency": spec.concurrency,
+        "request_rate": rate_to_json(spec.request_rate),
+        "index": outcome.index,
+        "warmup": outcome.warmup,
+        "attempts": outcome.attempts,
+        "status": "ok" if outcome.ok else "failed",
+        "code": outcome.status_code,
+        "reason": outcome.reason,
+        "message": outcome.message,
+    }
+    timeline = outcome.timeline
+    if timeline is not None:
+        record.update(
+            sent_at_monotonic=timeline.sent_at,
+            ttft_s=timeline.ttft,
+            e2el_s=timeline.e2el,
+            output_tokens=timeline.output_tokens,
+            messages=[[round(a.at - timeline.sent_at, 6), a.num_tokens] for a in timeline.arrivals],
+            engine_queue_s=timeline.engine_queue_s,
+            engine_ttft_s=timeline.engine_ttft_s,
+        )
+    return record

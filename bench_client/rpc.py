@@ -1,0 +1,183 @@
+"""The edge: the only module of the client that touches gRPC stubs and protobuf messages.
+
+It turns domain requests into protobuf, protobuf responses into frozen domain values, and every
+failed call into the domain exception of `shared.errors` (with reason, metadata and retry delay),
+so the sweep logic above it decides on domain values alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.v1 import engine_pb2, engine_pb2_grpc
+from shared.errors import from_rpc_error
+
+SERVICE_NAME = "engine.v1.EngineService"
+
+# round_robin spreads calls over every address the target resolves to (an `ipv4:` list, a
+# `dns:///` name with several records); for a single address it behaves as pick_first does.
+_SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+_CHANNEL_OPTIONS: Sequence[tuple[str, object]] = (
+    ("grpc.service_config", _SERVICE_CONFIG),
+    ("grpc.enable_retries", 0),  # the client's policy table retries, not the channel
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+)
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    model: str
+    max_context_tokens: int
+    max_new_tokens_limit: int
+    max_batch_size: int
+    queue_capacity: int
+    vocab_size: int
+    eos_token_id: int
+    bos_token_id: int
+    device: str
+    dtype: str
+    tokenizer: str
+    engine_version: str
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    running_sequences: int
+    waiting_requests: int
+    kv_cache_used_tokens: int
+    kv_cache_capacity_tokens: int
+    requests_finished: int
+    draining: bool
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    ignore_eos: bool
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class EngineTiming:
+    queue_seconds: float
+    time_to_first_token_seconds: float
+    total_seconds: float
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed message: when it arrived and how many tokens it carried."""
+
+    received_at: float  # time.perf_counter()
+    num_tokens: int
+    finish_reason: str | None  # "LENGTH", "EOS", "STOP" on the last message
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    timing: EngineTiming | None
+
+
+class EngineClient:
+    """One grpc.aio channel to the target (one engine or several replicas)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def server_info(self, timeout: float = 10.0) -> ServerInfo:
+        try:
+            info = await self._stub.GetServerInfo(engine_pb2.GetServerInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from err
+        return ServerInfo(
+            model=info.model, max_context_tokens=info.max_context_tokens,
+            max_new_tokens_limit=info.max_new_tokens_limit, max_batch_size=info.max_batch_size,
+            queue_capacity=info.queue_capacity, vocab_size=info.vocab_size, eos_token_id=info.eos_token_id,
+            bos_token_id=info.bos_token_id, device=info.device, dtype=info.dtype, tokenizer=info.tokenizer,
+            engine_version=info.engine_version,
+        )
+
+    async def load(self, timeout: float = 10.0) -> LoadSnapshot:
+        try:
+            load = await self._stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from err
+        return LoadSnapshot(
+            running_sequences=load.running_sequences, waiting_requests=load.waiting_requests,
+            kv_cache_used_tokens=load.kv_cache_used_tokens, kv_cache_capacity_tokens=load.kv_cache_capacity_tokens,
+            requests_finished=load.requests_finished, draining=load.draining,
+        )
+
+    async def is_serving(self, timeout: float = 2.0) -> bool:
+        """One health check of the engine service; False while it is down or not SERVING."""
+        request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        try:
+            response = await self._health.Check(request, timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False  # down, unreachable or NOT_FOUND: all mean "not serving yet"
+        return response.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def wait_until_serving(self, timeout: float, poll_s: float = 0.2) -> bool:
+        """Poll health until SERVING or `timeout` seconds passed; returns whether it is serving."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if await self.is_serving(timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+
+    async def decode(self, spec: DecodeSpec, *, timeout: float) -> AsyncIterator[Chunk]:
+        """Stream the chunks of one Decode call; a failed call raises its EngineError."""
+        request = engine_pb2.DecodeRequest(
+            request_id=spec.request_id,
+            prompt_token_ids=engine_pb2.TokenIds(ids=spec.prompt_token_ids),
+            max_new_tokens=spec.max_new_tokens,
+            sampling=engine_pb2.SamplingParams(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+                                               seed=spec.seed),
+            ignore_eos=spec.ignore_eos,
+        )
+        call = self._stub.Decode(request, timeout=timeout)
+        try:
+            async for message in call:
+                yield _chunk(message, time.perf_counter())
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from err
+        finally:
+            call.cancel()  # a no-op once the call ended; frees the engine's sequence if we stop early
+
+
+def _chunk(message: engine_pb2.DecodeResponse, received_at: float) -> Chunk:
+    last = message.finish_reason != engine_pb2.FINISH_REASON_UNSPECIFIED
+    return Chunk(
+        received_at=received_at,
+        num_tokens=len(message.token_ids),
+        finish_reason=engine_pb2.FinishReason.Name(message.finish_reason).removeprefix("FINISH_REASON_")
+        if last else None,
+        prompt_tokens=message.usage.prompt_tokens if message.HasField("usage") else None,
+        completion_tokens=message.usage.completion_tokens if message.HasField("usage") else None,
+        timing=EngineTiming(
+            queue_seconds=message.timing.queue_seconds,
+            time_to_first_token_seconds=message.timing.time_to_first_token_seconds,
+            total_seconds=message.timing.total_seconds,
+        ) if message.HasField("timing") else None,
+    )

@@ -1,0 +1,212 @@
+"""The sweep runner: every point of the grid, for every engine configuration, recorded once.
+
+For each engine configuration (one unmanaged target, or each combination of [engine.grid]) it
+starts the engine if it manages one, runs the points not yet recorded in context order, records
+each as it ends, and drains the engine. Points the engine already refused with
+CONTEXT_LENGTH_EXCEEDED (same max_new_tokens, a smaller or equal context) are recorded skipped
+without sending. A stop request (SIGTERM) lets the current point finish, then drains and returns.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+import uuid
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from bench_client import records
+from bench_client.config import SweepConfig
+from bench_client.engine_process import EngineExit, EngineStartError, ManagedEngine, engine_configurations
+from bench_client.point import PointRunner, PointSkipped, PointSpec, RequestOutcome, SweepStopped
+from bench_client.progress import SweepProgress
+from bench_client.results import PointKey, ResultsDir, engine_key
+from bench_client.rpc import EngineClient, ServerInfo
+from shared.errors import EngineError, status_code_of
+
+log = structlog.get_logger()
+
+CONTEXT_LENGTH_EXCEEDED = "CONTEXT_LENGTH_EXCEEDED"
+
+
+class SweepEnd(enum.Enum):
+    COMPLETED = "completed"  # every point is recorded
+    STOPPED = "stopped"  # the policy stopped the sweep (engine down, credentials): resumable
+    INTERRUPTED = "interrupted"  # a stop was requested (SIGTERM): resumable
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    end: SweepEnd
+    message: str
+    recorded: int  # points recorded by this run
+
+
+@dataclass(frozen=True)
+class _KnownSkip:
+    context_tokens: int
+    reason_metadata: dict[str, str]
+    message: str
+
+
+def grid_points(config: SweepConfig) -> list[PointSpec]:
+    """The points of one engine configuration, smallest context first (so skips propagate)."""
+    w = config.workload
+    return [PointSpec(c, n, x, r) for c, n, x, r in itertools.product(
+        sorted(w.context_tokens), w.max_new_tokens, w.concurrency, w.request_rate)]
+
+
+class _Observer:
+    """Feeds the progress display and, with --detail, requests.jsonl."""
+
+    def __init__(self, progress: SweepProgress, results: ResultsDir, engine: dict[str, Any] | None,
+                 run_id: str) -> None:
+        self.progress, self.results, self.engine, self.run_id = progress, results, engine, run_id
+
+    def request_started(self, spec: PointSpec) -> None:
+        self.progress.request_started(spec)
+
+    def request_finished(self, spec: PointSpec, outcome: RequestOutcome) -> None:
+        self.progress.request_finished(spec, outcome)
+        self.results.append_request(records.request_record(spec, outcome, engine=self.engine, run_id=self.run_id))
+
+
+class _UnmanagedHealth:
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+
+    async def wait_until_serving(self, timeout: float) -> bool:
+        return await self.client.wait_until_serving(timeout)
+
+
+class SweepRunner:
+    def __init__(self, config: SweepConfig, results: ResultsDir, progress: SweepProgress) -> None:
+        self.config = config
+        self.results = results
+        self.progress = progress
+        self.run_id = uuid.uuid4().hex[:8]
+        self._stop_requested = False
+        self._recorded = 0
+        # engine key -> max_new_tokens -> the smallest context the engine refused
+        self._known_skips: dict[str, dict[int, _KnownSkip]] = {}
+        for record in results.records:
+            if record["status"] == "skipped" and record["reason"] == CONTEXT_LENGTH_EXCEEDED:
+                self._learn_skip(engine_key(record["engine"]), record["max_new_tokens"], record["context_tokens"],
+                                 record["reason_metadata"], record["message"])
+
+    def request_stop(self) -> None:
+        """Finish the current point, record it, drain the engine, and return INTERRUPTED."""
+        if not self._stop_requested:
+            log.warning("sweep_stop_requested", run_id=self.run_id)
+        self._stop_requested = True
+
+    async def run(self) -> SweepResult:
+        engines: list[dict[str, Any] | None] = (
+            list(engine_configurations(self.config.engine)) if self.config.engine is not None else [None])
+        points = grid_points(self.config)
+        total = len(engines) * len(points)
+        done = sum(1 for e in engines for p in points if self._key(e, p) in self.results.done)
+        self.progress.sweep_started(total, done)
+        try:
+            for engine in engines:
+                todo = [p for p in points if self._key(engine, p) not in self.results.done]
+                if todo and not self._stop_requested:
+                    await self._run_engine(engine, todo)
+        except (SweepStopped, EngineStartError) as stop:
+            log.error("sweep_stopped", run_id=self.run_id, message=str(stop), recorded=self._recorded,
+                      results=str(self.results.path))
+            return SweepResult(SweepEnd.STOPPED, str(stop), self._recorded)
+        if self._stop_requested:
+            log.warning("sweep_interrupted", run_id=self.run_id, recorded=self._recorded)
+            return SweepResult(SweepEnd.INTERRUPTED, "stopped on request; run again with --resume",
+                               self._recorded)
+        log.info("sweep_done", run_id=self.run_id, recorded=self._recorded, points=total)
+        return SweepResult(SweepEnd.COMPLETED, "every point is recorded", self._recorded)
+
+    async def _run_engine(self, engine: dict[str, Any] | None, todo: list[PointSpec]) -> None:
+        async with AsyncExitStack() as stack:
+            if engine is None or self.config.engine is None:
+                client = EngineClient(self.config.target)
+                stack.push_async_callback(client.close)
+                health: Any = _UnmanagedHealth(client)
+                if not await client.wait_until_serving(self.config.policy.health_wait_s):
+                    raise SweepStopped(f"the engine at {self.config.target} was not SERVING within "
+                                       f"policy.health_wait_s={self.config.policy.health_wait_s:g} s")
+            else:
+                index = len(list((self.results.path).glob("engine-*.log")))
+                managed = ManagedEngine(self.config.engine, engine, self.results.path / f"engine-{index}.log",
+                                        on_exit=self._engine_exited)
+                stack.push_async_callback(managed.close)
+                await managed.start()  # EngineStartError propagates: the configuration is unusable
+                stack.push_async_callback(managed.stop)
+                client = EngineClient(managed.target)
+                stack.push_async_callback(client.close)
+                health = managed
+            server_info = await self._server_info(client, health)
+            runner = PointRunner(client, server_info, self.config.workload, self.config.policy, health,
+                                 _Observer(self.progress, self.results, engine, self.run_id), self.run_id)
+            for spec in todo:
+                if self._stop_requested:
+                    return
+                await self._run_point(runner, spec, engine, client.target, server_info)
+
+    async def _server_info(self, client: EngineClient, health: Any) -> ServerInfo:
+        try:
+            return await client.server_info()
+        except EngineError as err:
+            if status_code_of(err).name != "UNAVAILABLE":
+                raise SweepStopped(f"GetServerInfo on {client.target} failed: {status_code_of(err).name} "
+                                   f"{err.reason} ({err.message})") from err
+        if not await health.wait_until_serving(self.config.policy.health_wait_s):
+            raise SweepStopped(f"the engine at {client.target} was not SERVING within "
+                               f"policy.health_wait_s={self.config.policy.health_wait_s:g} s")
+        return await client.server_info()
+
+    async def _run_point(self, runner: PointRunner, spec: PointSpec, engine: dict[str, Any] | None, target: str,
+                         server_info: ServerInfo) -> None:
+        started_at = time.time()
+        common = {"engine": engine, "target": target, "server_info": server_info, "run_id": self.run_id,
+                  "started_at": started_at}
+        known = self._known_skips.get(engine_key(engine), {}).get(spec.max_new_tokens)
+        if known is not None and spec.context_tokens >= known.context_tokens:
+            self._record(records.skipped_record(
+                spec, **common, reason=CONTEXT_LENGTH_EXCEEDED, reason_metadata=known.reason_metadata,
+                message=f"not sent: context {known.context_tokens} with max_new_tokens {spec.max_new_tokens} "
+                        f"was refused ({known.message})", without_sending=True))
+            return
+        self.progress.point_started(spec, engine)
+        try:
+            outcome = await runner.run(spec)
+        except PointSkipped as skip:
+            err = skip.error
+            reason = err.reason or status_code_of(err).name
+            if reason == CONTEXT_LENGTH_EXCEEDED:
+                self._learn_skip(engine_key(engine), spec.max_new_tokens, spec.context_tokens, err.metadata,
+                                 err.message)
+            self._record(records.skipped_record(spec, **common, reason=reason, reason_metadata=err.metadata,
+                                                message=err.message, without_sending=False, sent=1))
+            return
+        self._record(records.point_record(outcome, **common, warmup=self.config.workload.warmup_requests,
+                                          max_error_rate=self.config.policy.max_error_rate))
+
+    def _record(self, record: dict[str, Any]) -> None:
+        self.results.append_point(record)
+        self._recorded += 1
+        self.progress.point_recorded(record)
+
+    def _learn_skip(self, key: str, max_new_tokens: int, context_tokens: int, metadata: dict[str, str],
+                    message: str) -> None:
+        by_new = self._known_skips.setdefault(key, {})
+        if max_new_tokens not in by_new or context_tokens < by_new[max_new_tokens].context_tokens:
+            by_new[max_new_tokens] = _KnownSkip(context_tokens, dict(metadata), message)
+
+    def _engine_exited(self, exit_: EngineExit) -> None:
+        self.results.append_engine(exit_.as_record())
+
+    def _key(self, engine: dict[str, Any] | None, spec: PointSpec) -> PointKey:
+        return PointKey(engine_key(engine), spec.context_tokens, spec.max_new_tokens, spec.concurrency,
+                        spec.request_rate)
