@@ -61,9 +61,10 @@ def build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def hf_config(arch: str, tied: bool, rope_scaling: dict[str, object] | None = None) -> transformers.PretrainedConfig:
+def hf_config(arch: str, tied: bool, rope_scaling: dict[str, object] | None = None,
+              vocab_size: int = VOCAB_SIZE) -> transformers.PretrainedConfig:
     kwargs: dict[str, object] = dict(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
         tie_word_embeddings=tied, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
         initializer_range=INIT_STD,
@@ -76,12 +77,13 @@ def hf_config(arch: str, tied: bool, rope_scaling: dict[str, object] | None = No
 
 
 def make_checkpoint(tmp_path: Path, arch: str, tied: bool, *, sharded: bool = False,
-                    rope_scaling: dict[str, object] | None = None, tokenizer: bool = True, seed: int | None = None) -> Path:
+                    rope_scaling: dict[str, object] | None = None, tokenizer: bool = True, seed: int | None = None,
+                    vocab_size: int = VOCAB_SIZE) -> Path:
     """Write a tiny random `arch` ("llama", "mistral", "qwen2") checkpoint under `tmp_path` and
     return its directory: config.json, safetensors (sharded with an index when `sharded`), and a
     tokenizer.json unless `tokenizer` is False. Qwen2's q/k/v biases and every norm weight are
     random, so a dropped bias or norm shows up in the logits. The seed defaults to one per arch."""
-    config = hf_config(arch, tied, rope_scaling)
+    config = hf_config(arch, tied, rope_scaling, vocab_size)
     torch.manual_seed(ARCHS.index(arch) if seed is None else seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
