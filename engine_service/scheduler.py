@@ -40,10 +40,12 @@ class Scheduler:
 
     # -- event loop side -------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
-        """Queue a parsed request, or raise QueueFull when the waiting queue is at capacity."""
+        """Queue a parsed request, or raise QueueFull when the waiting queue is at capacity.
+        Requests that free batch rows will take at the next step do not count against it."""
         with self._cond:
             depth = len(self._waiting)
-            if depth >= self.queue_capacity:
+            free_rows = max(self.max_batch - len(self.running), 0)  # a racy read is fine: off by a step
+            if depth >= self.queue_capacity + free_rows:
                 raise QueueFull.build(depth, self.queue_capacity, self.queue_retry_seconds)
             self._waiting.append(seq)
             self._cond.notify()

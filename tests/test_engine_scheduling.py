@@ -1,0 +1,138 @@
+"""Continuous batching, the bounded queue, cancellation, deadlines and sampling."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from engine.v1 import engine_pb2 as pb
+from tests.contract import decode, details, tokens_of
+
+
+def run_concurrently(stub, requests: list[dict]) -> list[list[int] | dict]:  # type: ignore[no-untyped-def]
+    def one(fields: dict) -> list[int] | dict:
+        try:
+            return tokens_of(decode(stub, **fields))
+        except grpc.RpcError as err:
+            return details(err)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(one, requests))
+
+
+def test_batching_does_not_change_greedy_results(engine):
+    stub = engine.stub()
+    prompts = ["a", "longer prompt here", "mid size", "x" * 100, "z" * 37, "q", "hello world", "?"]
+    alone = [tokens_of(decode(stub, prompt_text=p, max_new_tokens=24, ignore_eos=True)) for p in prompts]
+    together = run_concurrently(stub, [{"prompt_text": p, "max_new_tokens": 24, "ignore_eos": True} for p in prompts])
+    assert together == alone
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    stub = engine.stub()
+    sampling = pb.SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=42)
+    first = tokens_of(decode(stub, prompt_text="seed", max_new_tokens=30, ignore_eos=True, sampling=sampling))
+    again = run_concurrently(stub, [{"prompt_text": "seed", "max_new_tokens": 30, "ignore_eos": True,
+                                     "sampling": sampling}] * 3)
+    assert again == [first] * 3
+    other = tokens_of(decode(stub, prompt_text="seed", max_new_tokens=30, ignore_eos=True,
+                             sampling=pb.SamplingParams(temperature=1.0, seed=43)))
+    assert other != first
+
+
+def test_queue_full_under_flood_and_every_accepted_request_completes(start_engine):
+    proc = start_engine("--model", "tiny", "--max-batch", "2", "--queue-capacity", "3", "--queue-retry-seconds", "0.25")
+    results = run_concurrently(proc.stub(), [{"prompt_text": f"flood {i}", "max_new_tokens": 120, "ignore_eos": True}
+                                             for i in range(24)])
+    ok = [r for r in results if isinstance(r, list)]
+    rejected = [r for r in results if isinstance(r, dict)]
+    assert ok and rejected
+    assert all(len(r) == 120 for r in ok), "every accepted request completes in full"
+    for r in rejected:
+        assert r["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert r["info"].reason == "QUEUE_FULL"
+        assert r["info"].metadata["queueCapacity"] == "3"
+        assert r["retry"].retry_delay.ToTimedelta().total_seconds() == 0.25
+    load = proc.wait_load(lambda x: x.running_sequences == 0)
+    assert (load.running_sequences, load.waiting_requests, load.kv_cache_used_tokens) == (0, 0, 0)
+
+
+def test_cancel_mid_stream_frees_kv_then_a_full_batch_fits(start_engine):
+    proc = start_engine("--model", "tiny", "--max-batch", "4", "--max-context", "512", "--queue-capacity", "4")
+    stub = proc.stub()
+    calls = [stub.Decode(pb.DecodeRequest(prompt_text=f"cancel {i}", max_new_tokens=400, ignore_eos=True))
+             for i in range(4)]
+    for call in calls:
+        next(call)
+    assert proc.load().running_sequences == 4
+    for call in calls:
+        call.cancel()
+    load = proc.wait_load(lambda x: x.running_sequences == 0 and x.kv_cache_used_tokens == 0, timeout=5)
+    assert (load.running_sequences, load.kv_cache_used_tokens) == (0, 0)
+    # a full batch plus a full queue still fits: nothing leaked
+    results = run_concurrently(stub, [{"prompt_text": f"after {i}", "max_new_tokens": 20, "ignore_eos": True}
+                                      for i in range(8)])
+    assert all(isinstance(r, list) and len(r) == 20 for r in results)
+
+
+def test_deadline_while_decoding_frees_the_sequence(start_engine):
+    proc = start_engine("--model", "tiny", "--max-context", "4096", "--max-new-tokens", "4000")
+    stub = proc.stub()
+    try:
+        decode(stub, timeout=0.5, prompt_text="slow", max_new_tokens=4000, ignore_eos=True)
+        raise AssertionError("expected DEADLINE_EXCEEDED")
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    load = proc.wait_load(lambda x: x.running_sequences == 0, timeout=5)
+    assert (load.running_sequences, load.kv_cache_used_tokens) == (0, 0)
+
+
+def test_deadline_while_queued_is_never_prefilled(start_engine):
+    proc = start_engine("--model", "tiny", "--max-batch", "1", "--max-context", "4096", "--max-new-tokens", "4000")
+    stub = proc.stub()
+    blocker = stub.Decode(pb.DecodeRequest(request_id="blocker", prompt_text="b", max_new_tokens=4000, ignore_eos=True))
+    next(blocker)
+    try:
+        decode(stub, timeout=0.3, request_id="queued-late", prompt_text="q", max_new_tokens=10)
+        raise AssertionError("expected DEADLINE_EXCEEDED")
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    proc.wait_load(lambda x: x.waiting_requests == 0, timeout=5)
+    assert proc.load().waiting_requests == 0
+    blocker.cancel()
+    time.sleep(0.3)
+    ends = [e for e in proc.events_named("request_finished") if e["request_id"] == "queued-late"]
+    assert ends and "queue_s" not in ends[0] and ends[0]["output_tokens"] == 0
+
+
+def test_streams_coalesce_when_the_reader_lags_and_token_count_is_exact(engine):
+    stub = engine.stub()
+    call = stub.Decode(pb.DecodeRequest(prompt_text="lag", max_new_tokens=150, ignore_eos=True))
+    first = next(call)
+    time.sleep(0.5)  # let tokens pile up: they must arrive in fewer messages, none lost
+    rest = list(call)
+    total = len(first.token_ids) + sum(len(r.token_ids) for r in rest)
+    assert total == 150
+    assert len(rest) + 1 < 150
+
+
+def test_many_concurrent_streams_all_complete(engine):
+    stub = engine.stub()
+    results = run_concurrently(stub, [{"prompt_text": f"c{i}", "max_new_tokens": 16, "ignore_eos": True}
+                                      for i in range(40)])
+    assert all(isinstance(r, list) and len(r) == 16 for r in results)
+
+
+def test_get_load_counts_running_sequences(engine):
+    stub = engine.stub()
+    stop = threading.Event()
+    call = stub.Decode(pb.DecodeRequest(prompt_text="load", max_new_tokens=200, ignore_eos=True))
+    next(call)
+    load = engine.load()
+    assert load.running_sequences >= 1 and load.kv_cache_used_tokens > 0
+    assert load.kv_cache_capacity_tokens == 8 * 256
+    call.cancel()
+    stop.set()
