@@ -1,0 +1,111 @@
+"""Metrics on hand-built timelines (vLLM bench-serve definitions, ITL per token)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bench_client.metrics import Arrival, RequestTimeline, Summary, compute, percentile
+
+
+def timeline(sent: float, *arrivals: tuple[float, int], prompt: int = 10, **engine: float) -> RequestTimeline:
+    return RequestTimeline(sent_at=sent, arrivals=tuple(Arrival(t, k) for t, k in arrivals), prompt_tokens=prompt,
+                           **engine)
+
+
+def test_single_token_messages() -> None:
+    t = timeline(1.0, (1.1, 1), (1.2, 1), (1.3, 1), (1.4, 1))
+    assert t.output_tokens == 4
+    assert t.ttft == pytest.approx(0.1)
+    assert t.e2el == pytest.approx(0.4)
+    assert t.tpot == pytest.approx(0.1)
+    assert t.itls() == pytest.approx([0.1, 0.1, 0.1])
+
+
+def test_message_with_several_tokens_counts_one_gap_per_token() -> None:
+    # first message: 2 tokens at 0.1; second: 3 tokens at 0.4 -> 5 tokens, 4 gaps
+    t = timeline(0.0, (0.1, 2), (0.4, 3))
+    assert t.output_tokens == 5
+    assert t.ttft == pytest.approx(0.1)
+    assert t.e2el == pytest.approx(0.4)
+    assert t.tpot == pytest.approx(0.3 / 4)
+    # the token sharing the first message arrived with it (gap 0); 0.3 s spread over 3 tokens
+    assert t.itls() == pytest.approx([0.0, 0.1, 0.1, 0.1])
+    assert sum(t.itls()) == pytest.approx(t.e2el - t.ttft)
+
+
+def test_one_token_has_no_tpot_and_no_itl() -> None:
+    t = timeline(0.0, (0.25, 1))
+    assert t.ttft == pytest.approx(0.25) and t.e2el == pytest.approx(0.25)
+    assert t.tpot is None
+    assert t.itls() == []
+
+
+def test_messages_without_tokens_are_ignored() -> None:
+    # a final message carrying only finish_reason/usage does not move E2EL
+    t = timeline(0.0, (0.1, 1), (0.2, 1), (0.9, 0))
+    assert t.e2el == pytest.approx(0.2)
+    assert t.output_tokens == 2
+
+
+def test_percentile_matches_numpy_linear() -> None:
+    values = sorted([5.0, 1.0, 9.0, 3.0, 7.5, 2.25, 8.0])
+    for q in (0, 10, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    with pytest.raises(ValueError, match="empty"):
+        percentile([], 50)
+    with pytest.raises(ValueError, match="101"):
+        percentile([1.0], 101)
+
+
+def test_summary_in_milliseconds_and_empty() -> None:
+    s = Summary.of([0.001, 0.002, 0.003, 0.004])
+    assert s.mean == pytest.approx(2.5)
+    assert s.median == pytest.approx(2.5)
+    assert s.p90 == pytest.approx(float(np.percentile([1, 2, 3, 4], 90)))
+    assert Summary.of([]) == Summary(None, None, None, None)
+
+
+def test_point_metrics_over_two_requests() -> None:
+    a = timeline(0.0, (0.1, 1), (0.2, 1), (0.3, 1), prompt=100, engine_queue_s=0.01, engine_ttft_s=0.05)
+    b = timeline(0.5, (0.7, 2), (1.0, 2), prompt=50, engine_queue_s=0.03, engine_ttft_s=0.15)
+    m = compute([a, b], duration_s=2.0)
+    assert m.completed == 2
+    assert m.total_input_tokens == 150 and m.total_output_tokens == 7
+    assert m.request_throughput == pytest.approx(1.0)
+    assert m.output_throughput == pytest.approx(3.5)
+    assert m.total_token_throughput == pytest.approx(78.5)
+    assert m.ttft_ms.mean == pytest.approx((100 + 200) / 2)
+    assert m.e2el_ms.median == pytest.approx((300 + 500) / 2)
+    # TPOT per request: a (0.3-0.1)/2 = 0.1; b (0.5-0.2)/3 = 0.1
+    assert m.tpot_ms.mean == pytest.approx(100.0)
+    # ITL per token: a [0.1, 0.1]; b [0, 0.15, 0.15]
+    assert m.itl_ms.mean == pytest.approx(1000 * (0.1 + 0.1 + 0 + 0.15 + 0.15) / 5)
+    assert m.engine_queue_ms.mean == pytest.approx(20.0)
+    assert m.engine_ttft_ms.median == pytest.approx(100.0)
+
+
+def test_no_successful_request() -> None:
+    m = compute([], duration_s=1.0)
+    assert m.completed == 0 and m.output_throughput == 0.0
+    assert m.ttft_ms.mean is None
+    with pytest.raises(ValueError, match="duration_s"):
+        compute([], duration_s=-1.0)
+
+
+@given(st.lists(st.tuples(st.floats(0.0001, 1.0), st.integers(1, 5)), min_size=1, max_size=30))
+def test_itl_gaps_sum_to_e2el_minus_ttft(messages: list[tuple[float, int]]) -> None:
+    now, arrivals = 0.0, []
+    for gap, k in messages:
+        now += gap
+        arrivals.append((now, k))
+    t = timeline(0.0, *arrivals)
+    gaps = t.itls()
+    assert len(gaps) == t.output_tokens - 1
+    assert math.isclose(sum(gaps), t.e2el - t.ttft, rel_tol=1e-9, abs_tol=1e-12)
+    if t.tpot is not None:
+        assert math.isclose(sum(gaps) / len(gaps), t.tpot, rel_tol=1e-9)

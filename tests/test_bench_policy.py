@@ -1,0 +1,73 @@
+"""The client's one policy table, on the exceptions that shared.errors builds from the wire."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+
+from bench_client.policy import TABLE, Action, backoff_delay, decide, rule_for
+from shared.errors import (
+    Cancelled,
+    ContextLengthExceeded,
+    DeadlineExceeded,
+    EngineDraining,
+    EngineError,
+    EngineUnavailable,
+    InternalError,
+    InvalidField,
+    QueueFull,
+    SequenceError,
+    TransportError,
+    Unauthenticated,
+)
+
+
+def received(cls: type[EngineError], code: grpc.StatusCode, message: str = "m") -> EngineError:
+    """An error as from_rpc_error builds it for a status that came without details."""
+    err = cls(message)
+    err.status_code = code  # type: ignore[attr-defined]
+    return err
+
+
+@pytest.mark.parametrize(("error", "before", "mid"), [
+    (ContextLengthExceeded.build(600, 32, 512), Action.SKIP_POINT, Action.COUNT_FAILED),
+    (InvalidField("max_new_tokens", 0, "max_new_tokens must be 1..4096, got 0"), Action.SKIP_POINT,
+     Action.COUNT_FAILED),
+    (QueueFull.build(4, 4, 0.5), Action.RETRY_AFTER_BACKOFF, Action.COUNT_FAILED),
+    (received(TransportError, grpc.StatusCode.RESOURCE_EXHAUSTED), Action.SKIP_POINT, Action.COUNT_FAILED),
+    (EngineDraining.build(30.0), Action.WAIT_FOR_HEALTH_THEN_RETRY, Action.COUNT_FAILED),
+    (received(EngineUnavailable, grpc.StatusCode.UNAVAILABLE), Action.WAIT_FOR_HEALTH_THEN_RETRY,
+     Action.COUNT_FAILED),
+    (SequenceError.build("r1", 3, "boom"), Action.COUNT_FAILED, Action.COUNT_FAILED),
+    (DeadlineExceeded.build("r1", 3), Action.COUNT_FAILED, Action.COUNT_FAILED),
+    (received(DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED), Action.COUNT_FAILED, Action.COUNT_FAILED),
+    (InternalError.build("r1"), Action.COUNT_FAILED, Action.COUNT_FAILED),
+    (received(TransportError, grpc.StatusCode.UNKNOWN), Action.COUNT_FAILED, Action.COUNT_FAILED),
+    (received(Cancelled, grpc.StatusCode.CANCELLED), Action.COUNT_FAILED, Action.COUNT_FAILED),
+    (Unauthenticated("no token"), Action.STOP_SWEEP, Action.STOP_SWEEP),
+    (received(TransportError, grpc.StatusCode.UNIMPLEMENTED), Action.STOP_SWEEP, Action.STOP_SWEEP),
+    (received(TransportError, grpc.StatusCode.DATA_LOSS), Action.COUNT_FAILED, Action.COUNT_FAILED),
+])
+def test_policy_table(error: EngineError, before: Action, mid: Action) -> None:
+    assert decide(error, first_token_seen=False) is before
+    assert decide(error, first_token_seen=True) is mid
+
+
+def test_every_row_has_a_reason_to_exist() -> None:
+    for (code, _reason), rule in TABLE.items():
+        assert rule.why, code
+    # a reason row wins over its code's generic row
+    assert rule_for(grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_FULL").before_first_token is Action.RETRY_AFTER_BACKOFF
+    assert rule_for(grpc.StatusCode.RESOURCE_EXHAUSTED, None).before_first_token is Action.SKIP_POINT
+
+
+def test_backoff_honours_retry_info_and_is_bounded() -> None:
+    rng = random.Random(0)
+    for attempt in range(1, 10):
+        delay = backoff_delay(attempt, server_delay=0.5, initial=0.01, maximum=2.0, rng=rng)
+        assert 0.5 <= delay <= max(0.5, min(2.0, 0.01 * 2 ** (attempt - 1))) * 1.5
+    grows = [backoff_delay(a, server_delay=None, initial=0.1, maximum=10.0, rng=random.Random(1)) for a in (1, 2, 3)]
+    assert grows[0] < grows[1] < grows[2]
+    assert backoff_delay(20, server_delay=None, initial=0.1, maximum=1.0, rng=rng) <= 1.5
