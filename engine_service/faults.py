@@ -43,6 +43,14 @@ class FaultPlan:
                 )
         return cls(frozenset(steps), rate, seed, crash)
 
+    def dooms(self, request_id: str) -> bool:
+        """Whether `sequence-error:rate=P,seed=S` dooms this request: a pure function of the id,
+        so a drill knows in advance exactly which requests must end ABORTED."""
+        if not self.sequence_error_rate:
+            return False
+        digest = zlib.crc32(f"{self.sequence_error_seed}:{request_id}".encode())
+        return digest / 2**32 < self.sequence_error_rate
+
 
 def _int(spec: str, text: str, minimum: int = 1) -> int:
     try:
@@ -52,15 +60,6 @@ def _int(spec: str, text: str, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"--fault {spec!r}: must be >= {minimum}, got {value}")
     return value
-
-
-    def dooms(self, request_id: str) -> bool:
-        """Whether `sequence-error:rate=P,seed=S` dooms this request: a pure function of the id,
-        so a drill knows in advance exactly which requests must end ABORTED."""
-        if not self.sequence_error_rate:
-            return False
-        digest = zlib.crc32(f"{self.sequence_error_seed}:{request_id}".encode())
-        return digest / 2**32 < self.sequence_error_rate
 
 
 class FaultInjector:

@@ -9,6 +9,12 @@ import sys
 import structlog
 
 
+# Tracebacks without local variables: locals would put prompt and output tokens into the log.
+_TRACEBACKS_WITHOUT_LOCALS = structlog.processors.ExceptionRenderer(
+    structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+)
+
+
 def configure_logging(level: str = "info", json: bool | None = None) -> None:
     """Configure structlog and the standard library's root logger, once per process."""
     if json is None:
@@ -33,7 +39,7 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
         foreign_pre_chain=shared,
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            structlog.processors.dict_tracebacks if json else structlog.processors.format_exc_info,
+            _TRACEBACKS_WITHOUT_LOCALS if json else structlog.processors.format_exc_info,
             renderer,
         ],
     )
