@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import ClassVar
 
 import grpc
@@ -209,8 +210,6 @@ def _pack(message) -> any_pb2.Any:  # type: ignore[no-untyped-def]
 
 def to_status_proto(err: EngineError) -> status_pb2.Status:
     """The google.rpc.Status for an exception: ErrorInfo always, then the reason's extras."""
-    if not err.reason:  # a transport-level failure (EngineUnavailable): no details, by contract
-        return status_pb2.Status(code=err.code.value[0], message=err.message)
     details = [_pack(error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=err.metadata))]
     if err.field is not None:
         violation = error_details_pb2.BadRequest.FieldViolation(field=err.field, description=err.message)
@@ -222,8 +221,17 @@ def to_status_proto(err: EngineError) -> status_pb2.Status:
     return status_pb2.Status(code=err.code.value[0], message=err.message, details=details)
 
 
+@dataclass(frozen=True)
+class _PlainStatus(grpc.Status):
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple[tuple[str, bytes], ...] = ()
+
+
 def to_status(err: EngineError) -> grpc.Status:
     """A grpc.Status ready for `await context.abort(s.code, s.details, s.trailing_metadata)`."""
+    if not err.reason:  # a transport-level failure: no details trailer at all, by contract
+        return _PlainStatus(err.code, err.message)
     return rpc_status.to_status(to_status_proto(err))
 
 

@@ -8,7 +8,6 @@ import sys
 
 import structlog
 
-
 # Tracebacks without local variables: locals would put prompt and output tokens into the log.
 _TRACEBACKS_WITHOUT_LOCALS = structlog.processors.ExceptionRenderer(
     structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
