@@ -1,0 +1,35 @@
+# The two commands a new user needs:  `make demo` (set up, then run the demo sweep) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+OUT ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
+
+.PHONY: setup demo test serve lint proto drills
+
+setup: $(VENV)/.installed
+
+# torch is pinned to 2.13.0 (a CPU build); an unpinned torch would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+demo: setup
+	$(BIN)/python -m bench_client sweep bench_client/demo.toml --out $(OUT)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+serve: setup
+	$(BIN)/python -m engine_service --model tiny
+
+lint: setup
+	$(BIN)/ruff check .
+
+proto: setup
+	$(BIN)/python tools/gen_proto.py
+
+drills: setup
+	$(BIN)/python -m drills
