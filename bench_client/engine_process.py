@@ -109,18 +109,33 @@ class ManagedEngine:
                 f"log {self.log_path}:\n" + "\n".join(exit_.log_tail[-15:]))
 
     async def wait_until_serving(self, timeout: float) -> bool:
-        """The HealthGate: restart a crashed engine (at most engine.max_restarts), then wait for health."""
+        """The HealthGate: wait for SERVING; restart the engine whenever it has exited (at most
+        engine.max_restarts times in all), each restart getting engine.startup_timeout_s."""
         async with self._lock:
-            if self._proc is not None and self._proc.poll() is not None:
-                self._record_exit("crashed")
-                if self.restarts >= self.launch.max_restarts:
-                    log.error("engine_not_restarted", engine=self.settings, restarts=self.restarts,
-                              max_restarts=self.launch.max_restarts)
+            deadline = time.monotonic() + timeout
+            while True:
+                if self._proc is None or self._proc.poll() is not None:
+                    if not self._restart():
+                        return False
+                    deadline = max(deadline, time.monotonic() + self.launch.startup_timeout_s)
+                if await self._client.is_serving(timeout=1.0):
+                    return True
+                if time.monotonic() >= deadline:
                     return False
-                self.restarts += 1
-                log.warning("engine_restarting", engine=self.settings, restart=self.restarts)
-                self._spawn()
-            return await self._wait_healthy(max(timeout, self.launch.startup_timeout_s))
+                await asyncio.sleep(0.2)
+
+    def _restart(self) -> bool:
+        if self._proc is not None:
+            self._record_exit("crashed")
+        if self.restarts >= self.launch.max_restarts:
+            log.error("engine_not_restarted", engine=self.settings, restarts=self.restarts,
+                      max_restarts=self.launch.max_restarts)
+            return False
+        self.restarts += 1
+        log.warning("engine_restarting", engine=self.settings, restart=self.restarts,
+                    max_restarts=self.launch.max_restarts)
+        self._spawn()
+        return True
 
     async def stop(self) -> EngineExit:
         """Drain with SIGTERM; SIGKILL after engine.drain_timeout_s."""
