@@ -8,6 +8,7 @@ arrived since its reader last looked into one chunk.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from engine_service.model_runner import ModelRunner
 from engine_service.requests import Limits, Request
 from engine_service.scheduler import LoadSnapshot, Scheduler
 from engine_service.sequence import FinishReason, Sequence, Timings
-from shared.errors import EngineDraining, EngineError, EngineUnavailable
+from shared.errors import EngineDraining, EngineError, EngineUnavailable, SequenceError
 
 log = structlog.get_logger()
 
@@ -62,8 +63,15 @@ class TokenStream:
     _error: EngineError | None = None
     _done: bool = False
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
+    taken_at: float = field(default_factory=time.monotonic)  # when the reader last took tokens
+
+    def stalled_since(self, now: float) -> float:
+        """Seconds the reader has left tokens waiting (0 when nothing waits)."""
+        return now - self.taken_at if self._pending and not self._done else 0.0
 
     def push(self, emission: Emission) -> None:
+        if self._done:  # already ended (stalled reader, drain, fatal): later tokens are moot
+            return
         self._pending.extend(emission.tokens)
         if emission.finish is not None or emission.error is not None:
             self._finish, self._error, self._done = emission.finish, emission.error, True
@@ -77,6 +85,7 @@ class TokenStream:
     async def next(self) -> Chunk:
         await self._ready.wait()
         self._ready.clear()
+        self.taken_at = time.monotonic()
         tokens, self._pending = self._pending, []
         if self._done:
             return Chunk(tokens, self._finish, self._error)
@@ -111,6 +120,7 @@ class Engine:
         self._scheduler: Scheduler | None = None
         self._loop_thread: DecodeLoop | None = None
         self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._stall_watch: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -134,6 +144,7 @@ class Engine:
         self._loop_thread = DecodeLoop(runner, self._scheduler, FaultInjector(cfg.faults),
                                        loaded.tokenizer.eos_token_id, self._deliver_threadsafe, self._fatal_threadsafe)
         self._loop_thread.start()
+        self._stall_watch = asyncio.create_task(self._watch_stalls(cfg.stall_seconds))
         self.ready.set()
         log.info("engine_ready", model=loaded.name, device=str(device), dtype=cfg.dtype,
                  kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
@@ -163,7 +174,25 @@ class Engine:
             self._scheduler.wake()
         return len(live)
 
+    async def _watch_stalls(self, stall_seconds: float) -> None:
+        """A reader that takes no tokens for `stall_seconds` has its sequence aborted
+        (SEQUENCE_ABORTED, cause "reader stalled") so that its KV rows serve others."""
+        while True:
+            await asyncio.sleep(min(1.0, stall_seconds / 4))
+            now = time.monotonic()
+            for handle in list(self._live):
+                stalled = handle.stream.stalled_since(now)
+                if stalled >= stall_seconds:
+                    seq = handle.seq
+                    seq.cancelled = True
+                    handle.stream.fail(SequenceError.build(
+                        seq.request_id, len(seq.generated), f"reader stalled: took no tokens for {stalled:.1f} s"))
+                    log.warning("reader_stalled", request_id=seq.request_id, stalled_s=round(stalled, 3))
+                    self._scheduler.wake()  # type: ignore[union-attr]
+
     def stop(self) -> None:
+        if self._stall_watch is not None:
+            self._stall_watch.cancel()
         if self._loop_thread is not None:
             self._loop_thread.stop()
 

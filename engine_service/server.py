@@ -20,6 +20,7 @@ from engine.v1 import engine_pb2
 from engine_service.config import EngineConfig, ServerConfig
 from engine_service.engine import Engine
 from engine_service.loop import FATAL_EXIT_CODE
+from engine_service.security import BearerTokenInterceptor, server_credentials
 from engine_service.servicer import SERVICE_NAME, EngineServicer
 from shared.errors import EngineDraining
 
@@ -47,7 +48,8 @@ def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
 
 async def create_server(engine: Engine, cfg: ServerConfig) -> RunningServer:
     """Build the server with every service registered and bind it; health starts NOT_SERVING."""
-    server = grpc.aio.server(options=grpc_options(cfg))
+    interceptors = [BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
+    server = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
     servicer = EngineServicer(engine, cfg.grace_seconds)
     server.add_generic_rpc_handlers((servicer.handler(),))
     health_servicer = health.aio.HealthServicer()
@@ -60,7 +62,11 @@ async def create_server(engine: Engine, cfg: ServerConfig) -> RunningServer:
     for name in HEALTH_SERVICES:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{cfg.host}:{cfg.port}"
-    port = server.add_insecure_port(address)
+    credentials = server_credentials(cfg)
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {address}")
     return RunningServer(server, port, health_servicer, engine)
@@ -76,7 +82,8 @@ async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     engine = Engine(engine_cfg)
     running = await create_server(engine, server_cfg)
     await running.server.start()
-    log.info("server_started", host=server_cfg.host, port=running.port)
+    log.info("server_started", host=server_cfg.host, port=running.port, tls=server_cfg.tls_cert is not None,
+             mtls=server_cfg.tls_client_ca is not None, auth=server_cfg.auth_token is not None)
 
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
