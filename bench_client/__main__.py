@@ -14,7 +14,6 @@ import sys
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import structlog
 
@@ -22,7 +21,7 @@ from bench_client.config import ConfigError, SweepConfig, load_config
 from bench_client.progress import SweepProgress
 from bench_client.report import print_table, write_plots
 from bench_client.results import ResultsDir, ResultsError, load_for_report
-from bench_client.sweep import SweepEnd, SweepRunner
+from bench_client.sweep import SweepEnd, SweepResult, SweepRunner
 from shared.logging import configure_logging
 
 log = structlog.get_logger()
@@ -78,7 +77,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-async def _run_with_signals(runner: SweepRunner) -> tuple[Any, int | None]:
+async def _run_with_signals(runner: SweepRunner) -> tuple[SweepResult, int | None]:
     """First SIGTERM/SIGINT: finish the current point, drain, return. Second: cancel at once."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
@@ -94,7 +93,15 @@ async def _run_with_signals(runner: SweepRunner) -> tuple[Any, int | None]:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    result = await runner.run()
+    try:
+        result = await runner.run()
+    except asyncio.CancelledError:
+        if len(received) < 2:
+            raise  # not our own cancel: let it propagate
+        # The second signal cancelled the point in flight (not recorded); the engine was drained by
+        # the runner's exit stack on the way out, and every recorded point is intact.
+        result = SweepResult(SweepEnd.INTERRUPTED, "cancelled by a second signal; run again with --resume",
+                             runner.recorded)
     return result, (received[0] if received else None)
 
 

@@ -191,6 +191,11 @@ class PointRunner:
                 raise SweepStopped(f"the engine at {self.client.target} was not SERVING within "
                                    f"policy.health_wait_s={self.policy.health_wait_s:g} s after {code} "
                                    f"({err.message})")
+            if err.retry_delay is not None:
+                # ENGINE_DRAINING: health may already answer from another replica; still honour RetryInfo
+                await asyncio.sleep(backoff_delay(attempt, server_delay=err.retry_delay,
+                                                  initial=self.policy.backoff_initial_s,
+                                                  maximum=self.policy.backoff_max_s, rng=self._rng))
             return None
         raise AssertionError(f"policy action {action!r} has no handler")  # a client bug: crash
 

@@ -1,16 +1,14 @@
 """The report: a table of every point (skipped and failed ones with their reason) and PNG plots.
 
-Plots, one line per engine configuration (and per fixed parameter, named in the legend):
+Plots, one line per engine configuration, one small panel per value of the other parameters:
 - `throughput_vs_concurrency.png`: output token throughput against concurrency.
 - `latency_vs_context.png`: median TTFT and median TPOT against context length.
-Only `ok` and `failed` points with completed requests are plotted (and only request_rate "inf"
-for the concurrency plot when several rates were swept).
+Only points with completed requests are plotted (skipped ones have no metrics).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,54 +79,53 @@ def write_plots(records: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
     measured = [r for r in records if r["metrics"] is not None and r["metrics"]["completed"] > 0]
     if not measured:
         return []
-    return [_throughput_plot(measured, out_dir / THROUGHPUT_PLOT), _latency_plot(measured, out_dir / LATENCY_PLOT)]
+    throughput = _facet_plot(
+        measured, out_dir / THROUGHPUT_PLOT, x_key="concurrency", x_label="concurrency",
+        facet_keys=("context_tokens", "max_new_tokens", "request_rate"),
+        panels=(("output throughput (tokens/s)", lambda m: m["output_throughput"]),),
+        title="output throughput vs concurrency")
+    latency = _facet_plot(
+        measured, out_dir / LATENCY_PLOT, x_key="context_tokens", x_label="context length (tokens)",
+        facet_keys=("concurrency", "max_new_tokens", "request_rate"),
+        panels=(("median TTFT (ms)", lambda m: m["ttft_ms"]["median"]),
+                ("median TPOT (ms)", lambda m: m["tpot_ms"]["median"])),
+        title="TTFT and TPOT vs context length")
+    return [throughput, latency]
 
 
-def _throughput_plot(records: Sequence[dict[str, Any]], path: Path) -> Path:
-    rates = {r["request_rate"] for r in records}
-    if "inf" in rates and len(rates) > 1:
-        records = [r for r in records if r["request_rate"] == "inf"]
-    lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    for r in records:
-        label = f"{_engine_label(r['engine'])} ctx={r['context_tokens']} new={r['max_new_tokens']}"
-        if len(rates) > 1 and "inf" not in rates:
-            label += f" rate={r['request_rate']}"
-        lines[label].append((r["concurrency"], r["metrics"]["output_throughput"]))
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for label, points in sorted(lines.items()):
-        xs, ys = zip(*sorted(points), strict=True)
-        ax.plot(xs, ys, marker="o", label=label)
-    ax.set_xlabel("concurrency")
-    ax.set_ylabel("output throughput (tokens/s)")
-    ax.set_title("output throughput vs concurrency")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+_SHORT = {"context_tokens": "ctx", "max_new_tokens": "new", "request_rate": "rate", "concurrency": "conc"}
 
 
-def _latency_plot(records: Sequence[dict[str, Any]], path: Path) -> Path:
-    lines: dict[str, list[tuple[int, float | None, float | None]]] = defaultdict(list)
-    for r in records:
-        label = (f"{_engine_label(r['engine'])} conc={r['concurrency']} new={r['max_new_tokens']} "
-                 f"rate={r['request_rate']}")
-        lines[label].append((r["context_tokens"], r["metrics"]["ttft_ms"]["median"], r["metrics"]["tpot_ms"]["median"]))
-    fig, (ttft_ax, tpot_ax) = plt.subplots(1, 2, figsize=(12, 5))
-    for label, points in sorted(lines.items()):
-        points.sort()
-        ttft_ax.plot([p[0] for p in points if p[1] is not None], [p[1] for p in points if p[1] is not None],
-                     marker="o", label=label)
-        tpot_ax.plot([p[0] for p in points if p[2] is not None], [p[2] for p in points if p[2] is not None],
-                     marker="o", label=label)
-    for ax, name in ((ttft_ax, "median TTFT (ms)"), (tpot_ax, "median TPOT (ms)")):
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel(name)
-        ax.set_title(f"{name} vs context length")
-        ax.grid(True, alpha=0.3)
-    ttft_ax.legend(fontsize="small")
-    fig.tight_layout()
+def _facet_plot(records: Sequence[dict[str, Any]], path: Path, *, x_key: str, x_label: str,
+                facet_keys: tuple[str, ...], panels: tuple[tuple[str, Callable[[dict[str, Any]], Any]], ...],
+                title: str) -> Path:
+    """One column per combination of facet_keys, one row per panel, one line per engine configuration."""
+    facets = sorted({tuple(str(r[k]) for k in facet_keys) for r in records},
+                    key=lambda f: tuple(float(v) if v != "inf" else float("inf") for v in f))
+    engines = sorted({_engine_label(r["engine"]) for r in records})
+    colors = {label: f"C{i % 10}" for i, label in enumerate(engines)}
+    fig, axes = plt.subplots(len(panels), len(facets), figsize=(3.6 * len(facets) + 1, 3.2 * len(panels) + 0.6),
+                             squeeze=False)
+    for column, facet in enumerate(facets):
+        chosen = [r for r in records if tuple(str(r[k]) for k in facet_keys) == facet]
+        for row, (name, value_of) in enumerate(panels):
+            ax = axes[row][column]
+            for label in engines:
+                points = sorted((r[x_key], value_of(r["metrics"])) for r in chosen
+                                if _engine_label(r["engine"]) == label and value_of(r["metrics"]) is not None)
+                if points:
+                    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=colors[label],
+                            label=label)
+            ax.set_title(" ".join(f"{_SHORT[k]}={v}" for k, v in zip(facet_keys, facet, strict=True)),
+                         fontsize="small")
+            ax.set_xlabel(x_label)
+            if column == 0:
+                ax.set_ylabel(name)
+            ax.grid(True, alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", fontsize="small", title="engine")
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 0.88 if len(facets) < 3 else 0.93, 0.95))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

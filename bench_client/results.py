@@ -28,6 +28,9 @@ Point record schema `bench_client.point/1` (keys always present unless marked op
 - `metrics`: null when skipped, else the object of metrics.PointMetrics (latencies in ms with mean,
   median, p90, p99; throughputs per second; engine-reported queue time and TTFT).
 - `started_at`, `finished_at`: Unix seconds; `run_id`: the sweep run that recorded the point.
+
+A request retried by the policy (QUEUE_FULL, UNAVAILABLE before its first token) is timed from its
+last attempt; `requests.retries` counts the extra attempts. Warmup requests are never measured.
 """
 
 from __future__ import annotations
@@ -222,10 +225,13 @@ def load_for_report(path: Path) -> list[dict[str, Any]]:
     for number, line in enumerate(lines, start=1):
         if not line:
             continue
-        if _is_json_object(line):
-            records.append(json.loads(line))
-        elif number >= len(lines) - 1:
+        if not _is_json_object(line):
+            if number < len(lines) - 1:
+                raise ResultsError(f"{path} line {number} is not a JSON object")
             log.warning("torn_line_ignored", file=str(path), line=number)
-        else:
-            raise ResultsError(f"{path} line {number} is not a JSON object")
-    return [r for r in records if r.get("schema") == SCHEMA]
+            continue
+        record = json.loads(line)
+        if record.get("schema") != SCHEMA:
+            raise ResultsError(f"{path} line {number} has schema {record.get('schema')!r}, expected {SCHEMA!r}")
+        records.append(record)
+    return records

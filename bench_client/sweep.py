@@ -98,6 +98,11 @@ class SweepRunner:
                 self._learn_skip(engine_key(record["engine"]), record["max_new_tokens"], record["context_tokens"],
                                  record["reason_metadata"], record["message"])
 
+    @property
+    def recorded(self) -> int:
+        """Points recorded by this run so far."""
+        return self._recorded
+
     def request_stop(self) -> None:
         """Finish the current point, record it, drain the engine, and return INTERRUPTED."""
         if not self._stop_requested:
