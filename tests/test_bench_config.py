@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench_client.__main__ import main
+from bench_client.__main__ import main, sweep_main
 from bench_client.config import ConfigError, load_config, parse_config
 from bench_client.engine_process import build_command, engine_configurations
 
@@ -114,3 +114,8 @@ def test_cli_refuses_non_empty_out(tmp_path: Path, capsys: pytest.CaptureFixture
     (tmp_path / "out" / "results.jsonl").write_text("")
     assert main(["sweep", str(DEMO), "--out", str(tmp_path / "out")]) == 2
     assert "is not empty; pass --resume" in capsys.readouterr().err
+
+
+def test_console_script_takes_the_sweep_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert sweep_main([str(tmp_path / "missing.toml"), "--out", str(tmp_path / "out")]) == 2
+    assert "does not exist" in capsys.readouterr().err

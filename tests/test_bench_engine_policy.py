@@ -9,8 +9,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from bench_client import records
 from bench_client.sweep import SweepEnd
-from tests.bench_helpers import point_counts, run_in_process, sweep_raw
+from tests.bench_helpers import point_counts, read_results, run_in_process, sweep_raw
 
 
 async def test_queue_full_flood_is_retried_after_backoff(start_engine, tmp_path: Path) -> None:
@@ -111,3 +112,27 @@ async def test_poisson_rate_point(start_engine, tmp_path: Path, rate: float) -> 
     [record] = results.records
     assert record["request_rate"] == rate and record["status"] == "ok"
     assert record["metrics"]["completed"] == 10
+
+
+async def test_a_client_bug_crashes_and_leaves_results_resumable(start_engine, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = start_engine("--model", "tiny")
+    raw = sweep_raw(engine.address, context_tokens=[8, 16, 24], requests_per_point=2)
+    real = records.point_record
+    calls = []
+
+    def buggy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:
+            raise TypeError("a bug in the client")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(records, "point_record", buggy)
+    with pytest.raises(TypeError, match="a bug in the client"):  # no blanket catch swallowed it
+        await run_in_process(raw, tmp_path / "out")
+    monkeypatch.setattr(records, "point_record", real)
+    first = read_results(tmp_path / "out")
+    assert [r["context_tokens"] for r in first] == [8]
+    result, results = await run_in_process(raw, tmp_path / "out", resume=True)
+    assert result.end is SweepEnd.COMPLETED
+    assert sorted(r["context_tokens"] for r in results.records) == [8, 16, 24]

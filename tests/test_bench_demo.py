@@ -1,0 +1,25 @@
+"""The README's main command: the packaged demo sweep, end to end (about a minute on 2 cores)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.bench_helpers import events, point_counts, read_results, run_cli
+
+
+@pytest.mark.slow
+def test_demo_sweep_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    done = run_cli("sweep", "--out", str(out), timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_results(out)
+    assert set(point_counts(records).values()) == {1}
+    skipped = [r for r in records if r["status"] == "skipped"]
+    assert skipped and all(r["reason"] == "CONTEXT_LENGTH_EXCEEDED" for r in skipped)
+    assert all(r["status"] == "ok" for r in records if r["status"] != "skipped")
+    assert "CONTEXT_LENGTH_EXCEEDED" in done.stdout
+    assert any(e["event"] == "point_skipped" for e in events(done.stderr))
+    assert [e["how"] for e in events(done.stderr) if e["event"] == "engine_exited"] == ["drained", "drained"]
+    assert (out / "throughput_vs_concurrency.png").exists() and (out / "latency_vs_context.png").exists()
