@@ -51,6 +51,7 @@ class SweepProgress:
 
     def point_started(self, spec: PointSpec, engine: dict[str, Any] | None) -> None:
         self._current = f"{spec.tag()} {engine or ''}"
+        self._in_flight = 0
         log.info("point_started", point=spec.tag(), engine=engine)
         self._update()
 
@@ -67,6 +68,7 @@ class SweepProgress:
                   completed=record["requests"]["completed"], failed_by_code=record["requests"]["failed_by_code"],
                   output_throughput=round(metrics["output_throughput"], 2),
                   ttft_median_ms=metrics["ttft_ms"]["median"], tpot_median_ms=metrics["tpot_ms"]["median"])
+        self._in_flight = 0  # a skip or stop ends a point's requests without finishing them
         self._update(advance=1)
 
     # PointObserver
