@@ -9,6 +9,7 @@ Warmup requests run first, at the same concurrency, and are not measured.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import time
@@ -46,6 +47,7 @@ class RequestOutcome:
     warmup: bool
     attempts: int
     timeline: RequestTimeline | None  # set when the request succeeded
+    sent_at_unix: float = 0.0  # when the last attempt was sent (wall clock)
     status_code: str | None = None  # the gRPC code name of a failed request
     reason: str | None = None
     message: str = ""
@@ -146,7 +148,7 @@ class PointRunner:
                 seed=self.workload.seed + index,
             )
             chunks: list[Chunk] = []
-            sent_at = time.perf_counter()
+            sent_at_unix, sent_at = time.time(), time.perf_counter()
             try:
                 async for chunk in self.client.decode(decode, timeout=self.policy.request_timeout_s):
                     chunks.append(chunk)
@@ -156,6 +158,7 @@ class PointRunner:
                     continue
             else:
                 outcome = _success(index, warmup, attempt, sent_at, chunks, len(prompt))
+            outcome = dataclasses.replace(outcome, sent_at_unix=sent_at_unix)
             self.observer.request_finished(spec, outcome)
             return outcome
 

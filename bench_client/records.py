@@ -82,7 +82,8 @@ def point_record(outcome: PointOutcome, *, engine: Mapping[str, Any] | None, tar
 
 def request_record(spec: PointSpec, outcome: RequestOutcome, *, engine: Mapping[str, Any] | None,
                    run_id: str) -> dict[str, Any]:
-    """One line of requests.jsonl (--detail): times in seconds relative to the request being sent."""
+    """One line of requests.jsonl (--detail): `sent_at` in Unix seconds (the last attempt); the
+    other times in seconds from it; `messages` lists [arrival, tokens] per streamed message."""
     record: dict[str, Any] = {
         "run_id": run_id,
         "engine": dict(engine) if engine is not None else None,
@@ -93,6 +94,7 @@ def request_record(spec: PointSpec, outcome: RequestOutcome, *, engine: Mapping[
         "index": outcome.index,
         "warmup": outcome.warmup,
         "attempts": outcome.attempts,
+        "sent_at": outcome.sent_at_unix,
         "status": "ok" if outcome.ok else "failed",
         "code": outcome.status_code,
         "reason": outcome.reason,
@@ -101,7 +103,6 @@ def request_record(spec: PointSpec, outcome: RequestOutcome, *, engine: Mapping[
     timeline = outcome.timeline
     if timeline is not None:
         record.update(
-            sent_at_monotonic=timeline.sent_at,
             ttft_s=timeline.ttft,
             e2el_s=timeline.e2el,
             output_tokens=timeline.output_tokens,
