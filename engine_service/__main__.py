@@ -12,6 +12,7 @@ from engine_service.config import DTYPES, EngineConfig, ServerConfig
 from engine_service.faults import FaultPlan
 from engine_service.model.presets import PRESETS
 from shared.logging import configure_logging
+from shared.tracing import configure_tracing, shutdown_tracing
 
 TOKEN_ENV = "ENGINE_AUTH_TOKEN"
 
@@ -47,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--max-receive-bytes", type=int, default=4 * 1024 * 1024,
                    help="largest request message; larger ones get gRPC's RESOURCE_EXHAUSTED")
     n.add_argument("--max-concurrent-streams", type=int, default=256, help="concurrent streams per connection")
-    n.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (off)")
+    n.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics, on --host (off; 0: any free port, logged)")
     n.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "info"), help="log level")
     n.add_argument("--log-text", action="store_true", help="log prompt and output text (debug only)")
     t = p.add_argument_group("security")
@@ -86,11 +88,16 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(args.log_level)
     try:
         engine_cfg, server_cfg = configs_from_args(args)
+        configure_tracing("engine")  # off unless an OTEL_* variable asks for it
     except (ValueError, OSError) as err:
         parser.error(str(err))  # exits 2
     from engine_service.server import serve  # imports torch: after the flags are known good
 
-    sys.exit(asyncio.run(serve(engine_cfg, server_cfg)))
+    try:
+        code = asyncio.run(serve(engine_cfg, server_cfg))
+    finally:
+        shutdown_tracing()  # exports the spans still buffered
+    sys.exit(code)
 
 
 if __name__ == "__main__":

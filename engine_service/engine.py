@@ -187,7 +187,7 @@ class Engine:
                     seq.cancelled = True
                     handle.stream.fail(SequenceError.build(
                         seq.request_id, len(seq.generated), f"reader stalled: took no tokens for {stalled:.1f} s"))
-                    log.warning("reader_stalled", request_id=seq.request_id, stalled_s=round(stalled, 3))
+                    log.warning("reader_stalled", request_id=seq.request_id, **seq.trace, stalled_s=round(stalled, 3))
                     self._scheduler.wake()  # type: ignore[union-attr]
 
     def stop(self) -> None:
@@ -197,12 +197,12 @@ class Engine:
             self._loop_thread.stop()
 
     # -- requests --------------------------------------------------------------------------
-    def submit(self, request: Request, trace: object = None) -> Handle:
-        """Queue a request. Raises EngineDraining or QueueFull."""
+    def submit(self, request: Request, trace: dict[str, str] | None = None) -> Handle:
+        """Queue a request. Raises EngineDraining or QueueFull. `trace`: the log ids of its span."""
         if self.draining:
             raise EngineDraining.build(self._grace)
         assert self._scheduler is not None, "submit before start"
-        handle = Handle(Sequence(request, sink=None, trace=trace), TokenStream())
+        handle = Handle(Sequence(request, sink=None, trace=trace or {}), TokenStream())
         handle.seq.sink = handle.stream
         self._scheduler.submit(handle.seq)
         self._live.add(handle)

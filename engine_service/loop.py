@@ -113,7 +113,8 @@ class DecodeLoop:
             try:
                 out.append(self._emit(seq, token, row in doomed, emitted_at))
             except SequenceError as err:
-                log.warning("sequence_aborted", request_id=seq.request_id, reason=err.reason, cause=err.metadata.get("cause"))
+                log.warning("sequence_aborted", request_id=seq.request_id, **seq.trace, reason=err.reason,
+                            cause=err.metadata.get("cause"))
                 out.append(Emission(seq, (), error=err, at=emitted_at))
                 finished.append(row)
                 continue

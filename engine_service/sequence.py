@@ -32,7 +32,9 @@ class Sequence:
 
     request: Request
     sink: object  # engine.TokenStream, opaque here
-    trace: object = None  # trace context carried across to the loop thread, opaque here
+    # trace_id/span_id of the request's server span, for events logged about it off the request's
+    # context (the decode loop thread, the stall watch): contextvars do not cross threads
+    trace: dict[str, str] = field(default_factory=dict)
     generated: list[int] = field(default_factory=list)
     cache_len: int = 0  # tokens whose keys and values are in the cache
     generator: torch.Generator | None = None

@@ -20,9 +20,12 @@ from engine.v1 import engine_pb2
 from engine_service.config import EngineConfig, ServerConfig
 from engine_service.engine import Engine
 from engine_service.loop import FATAL_EXIT_CODE
+from engine_service.metrics import EngineMetrics, disabled_meter, start_metrics_server
 from engine_service.security import BearerTokenInterceptor, server_credentials
 from engine_service.servicer import SERVICE_NAME, EngineServicer
+from engine_service.telemetry import RequestTelemetry
 from shared.errors import EngineDraining
+from shared.tracing import flush_traces
 
 log = structlog.get_logger()
 
@@ -46,11 +49,13 @@ def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
-async def create_server(engine: Engine, cfg: ServerConfig) -> RunningServer:
-    """Build the server with every service registered and bind it; health starts NOT_SERVING."""
+async def create_server(engine: Engine, cfg: ServerConfig, telemetry: RequestTelemetry | None = None
+                        ) -> RunningServer:
+    """Build the server with every service registered and bind it; health starts NOT_SERVING.
+    Without `telemetry`, requests are logged and traced but no metrics are kept."""
     interceptors = [BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
     server = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
-    servicer = EngineServicer(engine, cfg.grace_seconds)
+    servicer = EngineServicer(engine, cfg.grace_seconds, telemetry)
     server.add_generic_rpc_handlers((servicer.handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -80,7 +85,24 @@ async def set_health(running: RunningServer, status: int) -> None:
 async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     """Run until drained (exit 0), until the model fails to load (2) or until a fatal error (70)."""
     engine = Engine(engine_cfg)
-    running = await create_server(engine, server_cfg)
+    meter, metrics_server = disabled_meter(), None
+    if server_cfg.metrics_port is not None:
+        try:
+            meter, metrics_server = start_metrics_server(server_cfg.host, server_cfg.metrics_port)
+        except OSError as err:
+            log.error("engine_start_failed", error_type=type(err).__name__, error=str(err))
+            return STARTUP_FAILED_EXIT_CODE
+        log.info("metrics_started", host=server_cfg.host, port=metrics_server.port, path="/metrics")
+    telemetry = RequestTelemetry(EngineMetrics(meter, engine.load, engine.waiting))
+    try:
+        return await _serve(engine, server_cfg, telemetry)
+    finally:
+        if metrics_server is not None:
+            metrics_server.stop()
+
+
+async def _serve(engine: Engine, server_cfg: ServerConfig, telemetry: RequestTelemetry) -> int:
+    running = await create_server(engine, server_cfg, telemetry)
     await running.server.start()
     log.info("server_started", host=server_cfg.host, port=running.port, tls=server_cfg.tls_cert is not None,
              mtls=server_cfg.tls_client_ca is not None, auth=server_cfg.auth_token is not None)
@@ -113,6 +135,8 @@ async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     if fatal.is_set():
         await set_health(running, health_pb2.HealthCheckResponse.NOT_SERVING)
         await engine.wait_idle(0.5)  # the streams in flight are being told UNAVAILABLE
+        # the loop thread's watchdog exits the process within FATAL_EXIT_AFTER_SECONDS: export now
+        await asyncio.to_thread(flush_traces, 0.5)
         await running.server.stop(0.5)
         log.error("engine_exiting", exit_code=FATAL_EXIT_CODE)
         return FATAL_EXIT_CODE

@@ -2,13 +2,15 @@
 
 Requests are decoded here (not by gRPC, which would answer UNKNOWN with the parser's text), parsed
 once into `Request`, and every failure leaves through one place: `_abort`, with the status that
-`shared.errors` assigns to the exception.
+`shared.errors` assigns to the exception. Each Decode's end, whatever it was, is told in one place
+too: `RequestTelemetry.finish` (the `request_finished` event, the metrics, the server span).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 import structlog
@@ -17,9 +19,12 @@ from google.protobuf.message import DecodeError
 from engine.v1 import engine_pb2 as pb
 from engine_service import __version__
 from engine_service.engine import Engine, Handle
+from engine_service.metrics import EngineMetrics, disabled_meter
 from engine_service.requests import Request
 from engine_service.sequence import FinishReason
+from engine_service.telemetry import RequestOutcome, RequestTelemetry
 from shared.errors import EngineError, InternalError, InvalidField, status_code_of, to_status
+from shared.tracing import extract_context, log_ids
 
 log = structlog.get_logger()
 
@@ -29,6 +34,7 @@ FINISH_REASONS = {
     FinishReason.EOS: pb.FINISH_REASON_EOS,
     FinishReason.STOP: pb.FINISH_REASON_STOP,
 }
+FINISH_REASON_NAMES = {wire: reason.value for reason, wire in FINISH_REASONS.items()}
 
 
 def _parse_bytes(cls, raw: bytes):  # type: ignore[no-untyped-def]
@@ -45,13 +51,17 @@ async def _abort(context: grpc.aio.ServicerContext, err: EngineError) -> None:
 
 
 class EngineServicer:
-    def __init__(self, engine: Engine, grace_seconds: float) -> None:
+    def __init__(self, engine: Engine, grace_seconds: float, telemetry: RequestTelemetry | None = None) -> None:
         self.engine = engine
         self.grace_seconds = grace_seconds
+        self.telemetry = telemetry or RequestTelemetry(EngineMetrics(disabled_meter(), engine.load, engine.waiting))
 
     async def decode(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
         started = time.monotonic()
-        request_id, handle, error, outcome = "", None, None, "CANCELLED"
+        span = self.telemetry.start_span("Decode", extract_context(context.invocation_metadata()))
+        ids = log_ids(span)
+        msg, request_id, handle, error, finish = None, "", None, None, None
+        code = grpc.StatusCode.CANCELLED  # unless the request gets further
         try:
             msg = _parse_bytes(pb.DecodeRequest, raw)
             request_id = msg.request_id
@@ -60,23 +70,36 @@ class EngineServicer:
             deadline = started + remaining if remaining is not None else None
             request = Request.parse(msg, self.engine.limits, self.engine.loaded.tokenizer, deadline)
             request_id = request.request_id
-            handle = self.engine.submit(request)
+            handle = self.engine.submit(request, trace=ids)
             async for response in self._stream(handle):
+                if response.finish_reason:
+                    finish = FINISH_REASON_NAMES[response.finish_reason]
                 yield response
-            outcome = "OK"
+            code = grpc.StatusCode.OK
         except EngineError as err:
             error = err
         except Exception:
-            log.exception("request_internal_error", request_id=request_id)
+            log.exception("request_internal_error", request_id=request_id, **ids)
             error = InternalError.build(request_id or "unassigned")
         finally:
             if handle is not None:
                 self.engine.release(handle)
             if error is not None:
-                outcome = status_code_of(error).name
-            self._log_finished(request_id, handle, outcome, error, started)
+                code = status_code_of(error)
+            self.telemetry.finish(span, self._outcome(request_id, code, error, started, msg, handle, finish))
         if error is not None:
             await _abort(context, error)
+
+    def _outcome(self, request_id: str, code: grpc.StatusCode, error: EngineError | None, started: float,
+                 msg: pb.DecodeRequest | None, handle: Handle | None, finish: str | None) -> RequestOutcome:
+        outcome = RequestOutcome(request_id, code, error, started, time.monotonic(), finish_reason=finish,
+                                 max_tokens=msg.max_new_tokens if msg is not None else None,
+                                 model=self.engine.info.model if self.engine.info is not None else None)
+        if handle is None:
+            return outcome
+        seq = handle.seq
+        return replace(outcome, prompt_tokens=len(seq.request.prompt_ids), output_tokens=len(seq.generated),
+                       timings=seq.timings)
 
     async def _stream(self, handle: Handle) -> AsyncIterator[pb.DecodeResponse]:
         request_id = handle.seq.request_id
@@ -104,21 +127,6 @@ class EngineServicer:
                 return
             if chunk.tokens:
                 yield response
-
-    def _log_finished(self, request_id: str, handle: Handle | None, outcome: str, error: EngineError | None,
-                      started: float) -> None:
-        fields: dict[str, object] = {"request_id": request_id, "status": outcome,
-                                     "duration_s": round(time.monotonic() - started, 6)}
-        if error is not None:
-            fields["reason"] = error.reason
-        if handle is not None:
-            t = handle.timings
-            fields.update(prompt_tokens=len(handle.seq.request.prompt_ids), output_tokens=len(handle.seq.generated))
-            if t.prefill_started is not None:
-                fields["queue_s"] = round(t.prefill_started - t.accepted, 6)
-            if t.first_token is not None:
-                fields["ttft_s"] = round(t.first_token - t.accepted, 6)
-        log.info("request_finished", **fields)
 
     async def get_server_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ServerInfo:
         try:
