@@ -136,13 +136,14 @@ class Engine:
         self.info = EngineInfo(
             model=loaded.name, max_context_tokens=cfg.max_context, max_new_tokens_limit=cfg.max_new_tokens_limit,
             max_batch_size=cfg.max_batch, queue_capacity=cfg.queue_capacity, vocab_size=loaded.config.vocab_size,
-            eos_token_id=loaded.tokenizer.eos_token_id, bos_token_id=loaded.tokenizer.bos_token_id,
+            eos_token_id=loaded.config.eos_token_id if loaded.config.eos_token_id is not None
+            else loaded.tokenizer.eos_token_id, bos_token_id=loaded.tokenizer.bos_token_id,
             device=str(device), dtype=cfg.dtype, tokenizer=loaded.tokenizer.kind,
         )
         self._scheduler = Scheduler(cfg.max_batch, cfg.max_context, cfg.queue_capacity, cfg.queue_retry_seconds,
                                     prefill_token_budget=max(cfg.max_context, 4096))
         self._loop_thread = DecodeLoop(runner, self._scheduler, FaultInjector(cfg.faults),
-                                       loaded.tokenizer.eos_token_id, self._deliver_threadsafe, self._fatal_threadsafe)
+                                       _end_tokens(loaded), self._deliver_threadsafe, self._fatal_threadsafe)
         self._loop_thread.start()
         self._stall_watch = asyncio.create_task(self._watch_stalls(cfg.stall_seconds))
         self.ready.set()
@@ -248,3 +249,10 @@ class Engine:
         for callback in self._fatal_callbacks:
             callback(exc)
 
+
+def _end_tokens(loaded: LoadedModel) -> frozenset[int]:
+    """EOS ids that end generation: the model's own (all of them), else the tokenizer's."""
+    ids = set(loaded.config.end_token_ids)
+    if not ids and loaded.tokenizer.eos_token_id is not None:
+        ids.add(loaded.tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -45,12 +45,12 @@ Deliver = Callable[[list[Emission]], None]
 
 
 class DecodeLoop:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, faults: FaultInjector, eos_token_id: int | None,
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, faults: FaultInjector, end_token_ids: frozenset[int],
                  deliver: Deliver, on_fatal: Callable[[BaseException], None]) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.faults = faults
-        self.eos_token_id = eos_token_id
+        self.end_token_ids = end_token_ids
         self._deliver = deliver
         self._on_fatal = on_fatal
         self.steps = 0
@@ -133,7 +133,7 @@ class DecodeLoop:
         if seq.timings.first_token is None:
             seq.timings.first_token = at
         seq.timings.last_token = at
-        return Emission(seq, (token,), finish=seq.finish_reason(token, self.eos_token_id), at=at)
+        return Emission(seq, (token,), finish=seq.finish_reason(token, self.end_token_ids), at=at)
 
     @staticmethod
     def _dropped(seq: Sequence, now: float) -> Emission:

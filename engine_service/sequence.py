@@ -49,11 +49,11 @@ class Sequence:
     def total_len(self) -> int:
         return len(self.request.prompt_ids) + len(self.generated)
 
-    def finish_reason(self, token: int, eos_token_id: int | None) -> FinishReason | None:
+    def finish_reason(self, token: int, end_token_ids: frozenset[int]) -> FinishReason | None:
         """Why the sequence ends after producing `token` (already appended), or None."""
         if token in self.request.stop_token_ids:
             return FinishReason.STOP
-        if token == eos_token_id and not self.request.ignore_eos:
+        if token in end_token_ids and not self.request.ignore_eos:
             return FinishReason.EOS
         if len(self.generated) >= self.request.max_new_tokens:
             return FinishReason.LENGTH
