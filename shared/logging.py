@@ -37,7 +37,7 @@ def configure_logging(level: str | None = None, json: bool | None = None) -> Non
     """Configure structlog and the standard library's root logger, once per process. The level is
     `level`, else the LOG_LEVEL environment variable, else info."""
     if level is None:
-        level = os.environ.get(LEVEL_ENV, "info")
+        level = os.environ.get(LEVEL_ENV) or "info"
     if json is None:
         json = not sys.stderr.isatty()
     numeric = logging.getLevelNamesMapping().get(level.upper())
