@@ -63,8 +63,8 @@ class Request:
                 "request_id", request_id,
                 f"request_id must be 1..128 characters of [A-Za-z0-9._:-], got {request_id[:140]!r}",
             )
-        prompt = _parse_prompt(msg, limits, tokenizer)
         max_new = msg.max_new_tokens
+        prompt = _parse_prompt(msg, limits, tokenizer)
         if not 1 <= max_new <= limits.max_new_tokens_limit:
             raise InvalidField(
                 "max_new_tokens", max_new, f"max_new_tokens must be 1..{limits.max_new_tokens_limit}, got {max_new}"
@@ -96,15 +96,16 @@ def _parse_prompt(msg: Any, limits: Limits, tokenizer: Encoder) -> tuple[int, ..
         text = msg.prompt_text
         if not text:
             raise InvalidField("prompt_text", text, "prompt_text must not be empty, got ''")
-        # Cheap bound before tokenizing: no tokenizer makes fewer tokens than characters / 64.
+        # A cheap bound before tokenizing on the event loop: no tokenizer makes fewer tokens than
+        # characters / 64, so promptTokens is then a lower bound.
         if len(text) > 64 * limits.max_context_tokens:
-            raise ContextLengthExceeded.build(len(text) // 64, 0, limits.max_context_tokens)
+            raise ContextLengthExceeded.build(len(text) // 64, msg.max_new_tokens, limits.max_context_tokens)
         return tuple(tokenizer.encode(text))
     ids = tuple(msg.prompt_token_ids.ids)
     if not ids:
         raise InvalidField("prompt_token_ids.ids", [], "prompt_token_ids.ids must not be empty, got []")
     if len(ids) > limits.max_context_tokens:
-        raise ContextLengthExceeded.build(len(ids), 0, limits.max_context_tokens)
+        raise ContextLengthExceeded.build(len(ids), msg.max_new_tokens, limits.max_context_tokens)
     largest = max(ids)
     if largest >= limits.vocab_size:
         index = ids.index(largest)

@@ -57,11 +57,9 @@ async def test_aborted_sequences_are_counted_by_code(start_engine, tmp_path: Pat
 
 async def test_unauthenticated_stops_the_sweep(start_engine, tmp_path: Path) -> None:
     engine = start_engine("--model", "tiny", env={"ENGINE_AUTH_TOKEN": "s3cret"})
-    try:
+    with pytest.raises(grpc.RpcError) as caught:
         engine.load()
-        pytest.skip("this engine does not enforce ENGINE_AUTH_TOKEN yet")
-    except grpc.RpcError as err:
-        assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
     raw = sweep_raw(engine.address, context_tokens=[16, 32])
     result, results = await run_in_process(raw, tmp_path / "out")
     assert result.end is SweepEnd.STOPPED
