@@ -1,0 +1,96 @@
+"""Engine resident memory under load: it must stay within weights + KV cache + a fixed overhead,
+and not grow over a long run.
+
+    python benchmarks/memory.py [--model small] [--requests 2000] [--concurrency 32]
+
+Starts the engine, reads its RSS (/proc/PID/status VmRSS) when ready, after a warm-up, and after
+`--requests` requests at full batch, and prints the figures and the overhead beyond weights + KV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import grpc
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.v1 import engine_pb2 as pb
+from engine.v1 import engine_pb2_grpc
+from engine_service.model.llama import KVCache
+from engine_service.model.presets import PRESETS
+from tests.engines import EngineProcess
+
+MIB = 1024 * 1024
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
+
+
+async def run(address: str, requests: int, concurrency: int, prompt: int, new: int) -> int:
+    done = 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        todo = iter(range(requests))
+
+        async def worker() -> None:
+            nonlocal done
+            for i in todo:
+                ids = [(i * 7 + j) % 256 for j in range(prompt)]
+                count = 0
+                async for msg in stub.Decode(pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=ids),
+                                                              max_new_tokens=new, ignore_eos=True)):
+                    count += len(msg.token_ids)
+                if count != new:
+                    raise RuntimeError(f"request {i} produced {count} tokens, expected {new}")
+                done += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small", choices=sorted(PRESETS))
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new", type=int, default=16)
+    parser.add_argument("--max-context", type=int, default=2048)
+    args = parser.parse_args()
+    config = PRESETS[args.model]
+    weights = sum(p.numel() for p in _param_shapes(config)) * 4
+    kv = KVCache(config, 1, 1, torch.float32, torch.device("meta")).bytes_per_token() * args.concurrency * args.max_context
+    with EngineProcess("--model", args.model, "--max-batch", str(args.concurrency), "--max-context",
+                       str(args.max_context), "--threads", "0") as proc:
+        pid = proc.proc.pid
+        ready = rss_bytes(pid)
+        asyncio.run(run(proc.address, args.concurrency * 2, args.concurrency, args.prompt, args.new))
+        warm = rss_bytes(pid)
+        done = asyncio.run(run(proc.address, args.requests, args.concurrency, args.prompt, args.new))
+        end = rss_bytes(pid)
+    print(f"# {args.model}, max-batch {args.concurrency}, max-context {args.max_context}, {done} requests "
+          f"({args.prompt} prompt + {args.new} new tokens)")
+    print(f"weights {weights / MIB:8.1f} MiB   KV cache {kv / MIB:8.1f} MiB")
+    print(f"RSS ready {ready / MIB:8.1f} MiB   after warm-up {warm / MIB:8.1f} MiB   after {done} requests {end / MIB:8.1f} MiB")
+    print(f"overhead beyond weights + KV after the run: {(end - weights - kv) / MIB:8.1f} MiB")
+    print(f"growth over the run (end - warm-up): {(end - warm) / MIB:+8.1f} MiB")
+
+
+def _param_shapes(config):  # type: ignore[no-untyped-def]
+    from engine_service.model.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        return list(LlamaForCausalLM(config).parameters())
+
+
+if __name__ == "__main__":
+    main()
