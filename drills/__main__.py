@@ -1,0 +1,48 @@
+"""`python -m drills [--quick] [NAME ...]`: run the drills, print the markdown table, exit 1 if one failed."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import grpc
+
+from drills import fuzz
+from drills.common import note
+from drills.row import Row, markdown_table
+
+DRILLS: dict[str, Callable[[bool], Row]] = {
+    fuzz.NAME: fuzz.run,
+}
+
+
+def run_one(name: str, quick: bool) -> Row:
+    """Run a drill; if its own machinery breaks (an engine that never starts, a port taken), the
+    row says so and fails. A bug in a drill is not caught: it stops the run loudly."""
+    started = time.monotonic()
+    try:
+        row = DRILLS[name](quick)
+    except (RuntimeError, OSError, grpc.RpcError, subprocess.SubprocessError, TimeoutError) as err:
+        row = Row(name, "(could not run)", "-", f"drill could not run: {type(err).__name__}: {err}"[:300], 0, False)
+    note(name, f"{'pass' if row.passed else 'FAIL'} in {time.monotonic() - started:.1f} s")
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m drills", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="the shortened CI version, with the same assertions")
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"drills to run (default: all): {', '.join(DRILLS)}")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in DRILLS]
+    if unknown:
+        parser.error(f"unknown drill {unknown[0]!r}; known: {', '.join(DRILLS)}")
+    rows = [run_one(name, args.quick) for name in (args.names or DRILLS)]
+    print(markdown_table(rows))
+    return 0 if all(r.passed for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
