@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import sys
 import time
 from collections.abc import Iterable, Mapping
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
