@@ -10,13 +10,14 @@ from collections.abc import Callable
 
 import grpc
 
-from drills import fuzz, overload
+from drills import fuzz, overload, readers
 from drills.common import note
 from drills.row import Row, markdown_table
 
 DRILLS: dict[str, Callable[[bool], Row]] = {
     fuzz.NAME: fuzz.run,
     overload.NAME: overload.run,
+    readers.NAME: readers.run,
 }
 
 
