@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import grpc
 
-from drills import drain, fuzz, overload, readers
+from drills import drain, fuzz, overload, readers, seqfaults
 from drills.common import note
 from drills.row import Row, markdown_table
 
@@ -19,6 +19,7 @@ DRILLS: dict[str, Callable[[bool], Row]] = {
     overload.NAME: overload.run,
     readers.NAME: readers.run,
     drain.NAME: drain.run,
+    seqfaults.NAME: seqfaults.run,
 }
 
 
