@@ -108,15 +108,14 @@ def test_deadline_while_queued_is_never_prefilled(start_engine):
     assert ends and "queue_s" not in ends[0] and ends[0]["output_tokens"] == 0
 
 
-def test_streams_coalesce_when_the_reader_lags_and_token_count_is_exact(engine):
+def test_a_lagging_reader_loses_no_token(engine):
     stub = engine.stub()
     call = stub.Decode(pb.DecodeRequest(prompt_text="lag", max_new_tokens=150, ignore_eos=True))
     first = next(call)
-    time.sleep(0.5)  # let tokens pile up: they must arrive in fewer messages, none lost
+    time.sleep(0.5)  # tokens pile up (in gRPC's buffers or coalesced into fewer messages): none may be lost
     rest = list(call)
-    total = len(first.token_ids) + sum(len(r.token_ids) for r in rest)
-    assert total == 150
-    assert len(rest) + 1 < 150
+    tokens = list(first.token_ids) + [t for r in rest for t in r.token_ids]
+    assert tokens == tokens_of(decode(stub, prompt_text="lag", max_new_tokens=150, ignore_eos=True))
 
 
 def test_many_concurrent_streams_all_complete(engine):
