@@ -20,6 +20,7 @@ class EngineConfig:
     max_new_tokens_limit: int = 4096
     queue_capacity: int = 256
     queue_retry_seconds: float = 0.5
+    max_prefill_tokens: int = 2048
     stall_seconds: float = 30.0
     faults: FaultPlan = field(default_factory=FaultPlan)
     threads: int = 0
@@ -29,6 +30,7 @@ class EngineConfig:
         _positive("max_context", self.max_context)
         _positive("max_new_tokens_limit", self.max_new_tokens_limit)
         _positive("queue_capacity", self.queue_capacity)
+        _positive("max_prefill_tokens", self.max_prefill_tokens)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

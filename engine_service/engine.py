@@ -141,7 +141,7 @@ class Engine:
             device=str(device), dtype=cfg.dtype, tokenizer=loaded.tokenizer.kind,
         )
         self._scheduler = Scheduler(cfg.max_batch, cfg.max_context, cfg.queue_capacity, cfg.queue_retry_seconds,
-                                    prefill_token_budget=max(cfg.max_context, 4096))
+                                    prefill_token_budget=cfg.max_prefill_tokens)
         self._loop_thread = DecodeLoop(runner, self._scheduler, FaultInjector(cfg.faults),
                                        _end_tokens(loaded), self._deliver_threadsafe, self._fatal_threadsafe)
         self._loop_thread.start()
