@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import grpc
 
-from drills import drain, fuzz, overload, readers, seqfaults
+from drills import crash, drain, fuzz, overload, readers, seqfaults
 from drills.common import note
 from drills.row import Row, markdown_table
 
@@ -18,6 +18,7 @@ DRILLS: dict[str, Callable[[bool], Row]] = {
     fuzz.NAME: fuzz.run,
     overload.NAME: overload.run,
     readers.NAME: readers.run,
+    crash.NAME: crash.run,
     drain.NAME: drain.run,
     seqfaults.NAME: seqfaults.run,
 }

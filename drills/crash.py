@@ -1,0 +1,175 @@
+"""Crash and restart, and kill -9 of the client. (a) The engine runs with `--fault crash:step=N`
+under a supervisor that restarts it on the same port; the bench client sweeps against it, and
+each time the sweep stops (engine down too long) it is resumed once health is SERVING again,
+until it completes. (b) The bench client is killed with SIGKILL at random instants and resumed.
+Either way the final results.jsonl holds every point of the grid exactly once, with request
+counts that add up. Lost = points missing or duplicated, or counts that do not add up."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from drills.common import ROOT, EngineProcess, free_port, note
+from drills.row import Checks, Row
+from drills.supervisor import Supervisor, wait_serving
+
+NAME = "crash"
+KILL_SEED = 6
+SWEEP_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True)
+class Grid:
+    context_tokens: list[int]
+    concurrency: list[int]
+    max_new_tokens: int
+    requests_per_point: int
+
+    @property
+    def points(self) -> set[tuple[int, int, int]]:
+        return {(c, self.max_new_tokens, x) for c in self.context_tokens for x in self.concurrency}
+
+    def toml(self, target: str) -> str:
+        return "\n".join([
+            f'target = "{target}"',
+            "[workload]",
+            f"context_tokens = {self.context_tokens}",
+            f"max_new_tokens = [{self.max_new_tokens}]",
+            f"concurrency = {self.concurrency}",
+            f"requests_per_point = {self.requests_per_point}",
+            "warmup_requests = 0",
+            "[policy]",
+            "health_wait_s = 2.0",  # shorter than a restart: a crash stops the sweep, to be resumed
+            "request_timeout_s = 30.0",
+        ]) + "\n"
+
+
+def sweep(config: Path, out: Path, resume: bool, log: Path) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "bench_client", "sweep", str(config), "--out", str(out)] + (["--resume"] if resume else [])
+    with log.open("ab") as err:
+        return subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                stdout=subprocess.DEVNULL, stderr=err)
+
+
+def audit(out: Path, grid: Grid) -> list[str]:
+    """Every point exactly once, with counts that add up; returns what is wrong."""
+    path = out / "results.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    keys = Counter((r["context_tokens"], r["max_new_tokens"], r["concurrency"]) for r in records)
+    problems = [f"point {k} recorded {n} times" for k, n in keys.items() if n > 1]
+    problems += [f"point {k} missing" for k in sorted(grid.points - set(keys))]
+    for r in records:
+        req = r["requests"]
+        if r["status"] in ("ok", "failed") and not (
+                req["sent"] == grid.requests_per_point == req["completed"] + req["failed"]):
+            problems.append(f"point {r['context_tokens']}/{r['concurrency']} counts {req}")
+    return problems
+
+
+def recorded_lines(out: Path) -> int:
+    path = out / "results.jsonl"
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def resume_until_done(config: Path, out: Path, log: Path, address: str, first_resume: bool,
+                      max_runs: int) -> tuple[int, int]:
+    """Run (then resume) the sweep until it exits 0; before each resume wait for health as an
+    operator would. Returns (runs, the last exit code)."""
+    code, runs = -1, 0
+    while runs < max_runs:
+        resume = first_resume or runs > 0
+        if resume:
+            wait_serving(address, 60)
+        code = sweep(config, out, resume, log).wait(SWEEP_TIMEOUT_S)
+        runs += 1
+        if code == 0:
+            break
+    return runs, code
+
+
+def engine_crashes(work: Path, quick: bool, checks: Checks) -> tuple[int, dict[str, object]]:
+    grid = Grid([8, 16, 32], [1, 2], 16, 4) if quick else Grid([8, 16, 32, 64], [1, 2, 4], 16, 6)
+    crash_step = 100 if quick else 150
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    config = work / "crash.toml"
+    config.write_text(grid.toml(address))
+    supervisor = Supervisor([sys.executable, "-m", "engine_service", "--model", "tiny", "--threads", "1",
+                             "--host", "127.0.0.1", "--port", str(port), "--fault", f"crash:step={crash_step}"],
+                            ROOT, work / "engine.log").start()
+    try:
+        checks.expect(wait_serving(address, 60), "supervised engine never SERVING")
+        note(NAME, f"sweep of {len(grid.points)} points against an engine crashing every {crash_step} steps")
+        runs, code = resume_until_done(config, work / "out-crash", work / "sweep-crash.log", address, False,
+                                       15 if quick else 30)
+    finally:
+        last_exit = supervisor.stop()
+    crashes = sum(1 for c in supervisor.exit_codes if c == 70)
+    checks.expect(code == 0, f"sweep did not complete in {runs} runs (last exit {code})")
+    checks.expect(crashes >= 1, f"the engine never crashed (exits {supervisor.exit_codes})")
+    checks.expect(last_exit == 0, f"the last engine run exited {last_exit} on SIGTERM")
+    problems = audit(work / "out-crash", grid)
+    checks.expect(not problems, f"results after crashes: {problems[:3]}")
+    return len(problems), {"engine crashes survived": crashes, "sweep runs (crash)": runs,
+                           "points (crash)": len(grid.points)}
+
+
+def client_kills(work: Path, quick: bool, checks: Checks) -> tuple[int, dict[str, object]]:
+    grid = Grid([8, 16, 24, 32], [1, 2], 24, 4)
+    kills = 2 if quick else 5
+    rng = random.Random(KILL_SEED)
+    lost, resumes, mid_sweep = 0, 0, 0
+    with EngineProcess("--model", "tiny") as engine:
+        config = work / "kill.toml"
+        config.write_text(grid.toml(engine.address))
+        for k in range(kills):
+            out, log = work / f"out-kill-{k}", work / f"sweep-kill-{k}.log"
+            # a random instant: after a random number of recorded points, plus a random delay
+            after, delay = rng.randrange(1, len(grid.points)), rng.uniform(0.0, 0.3)
+            proc = sweep(config, out, False, log)
+            started = time.monotonic()
+            while recorded_lines(out) < after and proc.poll() is None and time.monotonic() - started < 60:
+                time.sleep(0.01)
+            time.sleep(delay)
+            proc.kill()  # SIGKILL: no handler runs
+            proc.wait(10)
+            recorded = recorded_lines(out)
+            at = time.monotonic() - started
+            mid_sweep += recorded < len(grid.points)
+            note(NAME, f"client killed at {at:.2f} s with {recorded} points recorded; resuming")
+            runs, code = resume_until_done(config, out, log, engine.address, True, 3)
+            resumes += runs
+            checks.expect(code == 0, f"kill {k}: resume did not complete (exit {code})")
+            problems = audit(out, grid)
+            checks.expect(not problems, f"kill {k} at {at:.2f} s: {problems[:3]}")
+            lost += len(problems)
+    checks.expect(mid_sweep == kills, f"only {mid_sweep} of {kills} kills landed before the sweep ended")
+    return lost, {"client kill -9": kills, "kills mid-sweep": mid_sweep, "resumes after kill": resumes}
+
+
+def run(quick: bool) -> Row:
+    checks = Checks()
+    with tempfile.TemporaryDirectory(prefix="drill-crash-") as tmp:
+        work = Path(tmp)
+        lost_a, figures_a = engine_crashes(work, quick, checks)
+        lost_b, figures_b = client_kills(work, quick, checks)
+    resumes = int(figures_a["sweep runs (crash)"]) - 1 + int(figures_b["resumes after kill"])  # type: ignore[call-overload]
+    return checks.row(
+        NAME,
+        done=f"(a) sweep against an engine run with --fault crash:step=N under a restarting supervisor (same port), "
+             f"resumed after each stop; (b) bench client killed with SIGKILL at {figures_b['client kill -9']} random "
+             f"instants (seed {KILL_SEED}), each followed by --resume",
+        expected="the sweep completes; results.jsonl holds every point exactly once; completed + failed == "
+                 "requests_per_point for each ok/failed point",
+        lost=lost_a + lost_b,
+        figures={**figures_a, **figures_b, "resumes tested": resumes},
+    )
