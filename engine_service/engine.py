@@ -189,7 +189,7 @@ class Engine:
                     handle.stream.fail(SequenceError.build(
                         seq.request_id, len(seq.generated), f"reader stalled: took no tokens for {stalled:.1f} s"))
                     log.warning("reader_stalled", request_id=seq.request_id, **seq.trace, stalled_s=round(stalled, 3))
-                    self._scheduler.wake()  # type: ignore[union-attr]
+                    self._started_scheduler().wake()
 
     def stop(self) -> None:
         if self._stall_watch is not None:
@@ -197,15 +197,25 @@ class Engine:
         if self._loop_thread is not None:
             self._loop_thread.stop()
 
+    def _started_scheduler(self) -> Scheduler:
+        if self._scheduler is None:
+            raise RuntimeError("the engine's scheduler was used before Engine.start() finished")
+        return self._scheduler
+
+    def _started_loop(self) -> asyncio.AbstractEventLoop:
+        if self._event_loop is None:
+            raise RuntimeError("the engine's event loop was used before Engine.start()")
+        return self._event_loop
+
     # -- requests --------------------------------------------------------------------------
     def submit(self, request: Request, trace: dict[str, str] | None = None) -> Handle:
         """Queue a request. Raises EngineDraining or QueueFull. `trace`: the log ids of its span."""
         if self.draining:
             raise EngineDraining.build(self._grace)
-        assert self._scheduler is not None, "submit before start"
+        scheduler = self._started_scheduler()
         handle = Handle(Sequence(request, sink=None, trace=trace or {}), TokenStream())
         handle.seq.sink = handle.stream
-        self._scheduler.submit(handle.seq)
+        scheduler.submit(handle.seq)
         self._live.add(handle)
         self._idle.clear()
         return handle
@@ -217,8 +227,7 @@ class Engine:
             self._live.discard(handle)
             if not handle.stream._done:
                 handle.seq.cancelled = True
-                assert self._scheduler is not None
-                self._scheduler.wake()
+                self._started_scheduler().wake()
         if not self._live:
             self._idle.set()
 
@@ -231,8 +240,7 @@ class Engine:
     # -- from the decode loop thread -------------------------------------------------------
     def _deliver_threadsafe(self, emissions: list[Emission]) -> None:
         if emissions:
-            assert self._event_loop is not None
-            self._event_loop.call_soon_threadsafe(self._deliver, emissions)
+            self._started_loop().call_soon_threadsafe(self._deliver, emissions)
 
     @staticmethod
     def _deliver(emissions: list[Emission]) -> None:
@@ -240,8 +248,7 @@ class Engine:
             emission.seq.sink.push(emission)  # type: ignore[attr-defined]
 
     def _fatal_threadsafe(self, exc: BaseException) -> None:
-        assert self._event_loop is not None
-        self._event_loop.call_soon_threadsafe(self._fatal, exc)
+        self._started_loop().call_soon_threadsafe(self._fatal, exc)
 
     def _fatal(self, exc: BaseException) -> None:
         self.draining = True
