@@ -78,7 +78,7 @@ class EngineServicer:
             code = grpc.StatusCode.OK
         except EngineError as err:
             error = err
-        except Exception:
+        except Exception:  # the boundary's contract: a bug in one request's handling answers INTERNAL
             log.exception("request_internal_error", request_id=request_id, **ids)
             error = InternalError.build(request_id or "unassigned")
         finally:
