@@ -2,7 +2,7 @@
 `python -m bench_client report DIR`. Without CONFIG, the sweep runs the packaged demo (demo.toml).
 
 Exit codes: 0 every point recorded; 1 the sweep stopped (engine down, credentials; resumable);
-2 a usage or configuration error; 130/143 interrupted by SIGINT/SIGTERM after draining (resumable).
+2 a usage or configuration error (the sweep TOML, --out, or an OTEL_* variable), before any request; 130/143 interrupted by SIGINT/SIGTERM after draining (resumable).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from bench_client.report import print_table, write_plots
 from bench_client.results import ResultsDir, ResultsError, load_for_report
 from bench_client.sweep import SweepEnd, SweepResult, SweepRunner
 from shared.logging import configure_logging
+from shared.tracing import configure_tracing, shutdown_tracing
 
 log = structlog.get_logger()
 
@@ -34,6 +35,14 @@ EXIT_USAGE = 2
 def _configure_logging() -> None:
     """The process-wide structlog set-up: JSON lines when stderr is not a TTY."""
     configure_logging("info")
+
+
+def _configure_tracing() -> None:
+    """The process's tracer provider: off unless an OTEL_* variable asks for it (shared.tracing)."""
+    try:
+        configure_tracing("bench-client")
+    except ValueError as err:  # an unknown exporter or protocol; the message names the variable
+        raise ConfigError(str(err)) from err
 
 
 def _sweep_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -55,9 +64,11 @@ def _load(path: Path | None) -> SweepConfig:
 def run_sweep(args: argparse.Namespace) -> int:
     try:
         config = _load(args.config)
+        _configure_tracing()
         results = ResultsDir.open(args.out, resume=args.resume, detail=args.detail)
     except (ConfigError, ResultsError) as err:
         print(f"error: {err}", file=sys.stderr)
+        shutdown_tracing()
         return EXIT_USAGE
     try:
         with SweepProgress() as progress:
@@ -65,6 +76,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             result, signum = asyncio.run(_run_with_signals(runner))
     finally:
         results.close()
+        shutdown_tracing()  # exports the sweep's spans, on every way out (stopped, interrupted, a crash)
     print_table(results.records)
     plots = write_plots(results.records, args.out)
     log.info("report_written", results=str(args.out / "results.jsonl"), plots=[str(p) for p in plots])

@@ -31,12 +31,26 @@ drain_timeout_s = 30.0
 max_restarts = 1                    # restarts after a crash, per engine configuration
 [engine.grid]                       # each combination is one engine configuration
 max_batch = [8, 32]                 # `{max_batch}` in the command, or appended as `--max-batch 8`
+
+[tls]                               # optional: TLS to the engine (the table alone: the system's CAs)
+ca_file = "certs/ca.pem"            # PEM roots that sign the engine's certificate
+cert_file = "certs/client.pem"      # with key_file: a client certificate for mutual TLS
+key_file = "certs/client.key"
+server_name = "engine.internal"     # the name checked against the engine's certificate
+
+[auth]                              # optional: `authorization: Bearer <token>` on EngineService calls
+token_file = "secrets/engine-token" # a file holding the token, or
+token_env = "ENGINE_AUTH_TOKEN"     # the environment variable holding it (exactly one of the two)
 ```
+
+Relative paths are relative to the configuration file. Files and the token are read once, at load:
+a missing file, an empty token or an unset variable is a ConfigError like any other.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import string
 import tomllib
 from collections.abc import Mapping
@@ -88,29 +102,55 @@ class EngineLaunchConfig:
 
 
 @dataclass(frozen=True)
+class TlsConfig:
+    """TLS to the engine; the PEM contents were read at load. No ca: the system's roots."""
+
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    server_name: str | None = None
+    ca_pem: bytes | None = field(default=None, repr=False)
+    cert_pem: bytes | None = field(default=None, repr=False)
+    key_pem: bytes | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """How the client reaches the engine: plaintext or TLS, with or without a bearer token."""
+
+    tls: TlsConfig | None = None
+    token: str | None = field(default=None, repr=False)
+    token_source: str = ""  # "auth.token_file '/path'" or "auth.token_env 'NAME'": never the token
+
+
+@dataclass(frozen=True)
 class SweepConfig:
     target: str
     workload: WorkloadConfig
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     engine: EngineLaunchConfig | None = None
+    security: ChannelSecurity = field(default_factory=ChannelSecurity)
 
 
 # ---- reading -------------------------------------------------------------------------------------
 
 
-def load_config(path: Path) -> SweepConfig:
+def load_config(path: Path, env: Mapping[str, str] | None = None) -> SweepConfig:
     """Read and validate a sweep configuration file; ConfigError names what is wrong."""
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as err:
         raise ConfigError(f"config file {str(path)!r} does not exist") from err
-    except tomllib.TOMLDecodeError as err:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {err}") from err
-    return parse_config(raw)
+    return parse_config(raw, base_dir=path.parent, env=env)
 
 
-def parse_config(raw: Mapping[str, Any]) -> SweepConfig:
-    _check_keys("", raw, {"target", "workload", "policy", "engine"})
+def parse_config(raw: Mapping[str, Any], *, base_dir: Path | None = None,
+                 env: Mapping[str, str] | None = None) -> SweepConfig:
+    """Validate a parsed configuration; relative paths are taken from `base_dir` (default: the
+    working directory), `auth.token_env` is looked up in `env` (default: os.environ)."""
+    _check_keys("", raw, {"target", "workload", "policy", "engine", "tls", "auth"})
     engine = _engine(raw["engine"]) if "engine" in raw else None
     if "target" in raw:
         target = _str("target", raw["target"])
@@ -128,6 +168,11 @@ def parse_config(raw: Mapping[str, Any]) -> SweepConfig:
         workload=_workload(_table("workload", raw["workload"])),
         policy=_policy(_table("policy", raw.get("policy", {}))),
         engine=engine,
+        security=ChannelSecurity(
+            tls=_tls(_table("tls", raw["tls"]), base_dir or Path.cwd()) if "tls" in raw else None,
+            **_auth(_table("auth", raw.get("auth", {})), base_dir or Path.cwd(),
+                    os.environ if env is None else env),
+        ),
     )
 
 
@@ -224,6 +269,64 @@ def _engine(raw_value: Any) -> EngineLaunchConfig:
         max_restarts=_int("engine.max_restarts", raw.get("max_restarts", d.max_restarts), minimum=0),
         log_tail_lines=_int("engine.log_tail_lines", raw.get("log_tail_lines", d.log_tail_lines), minimum=0),
     )
+
+
+def _tls(raw: Mapping[str, Any], base_dir: Path) -> TlsConfig:
+    _check_keys("tls.", raw, {"ca_file", "cert_file", "key_file", "server_name"})
+    if ("cert_file" in raw) != ("key_file" in raw):
+        given, missing = ("cert_file", "key_file") if "cert_file" in raw else ("key_file", "cert_file")
+        raise ConfigError(f"tls.{given} {raw[given]!r} needs tls.{missing} (a client certificate and its key "
+                          "go together), got nothing")
+    files = {key: _pem_file(f"tls.{key}", raw[key], base_dir) for key in ("ca_file", "cert_file", "key_file")
+             if key in raw}
+    server_name = _str("tls.server_name", raw["server_name"]) if "server_name" in raw else None
+    return TlsConfig(
+        ca_file=files["ca_file"][0] if "ca_file" in files else None,
+        cert_file=files["cert_file"][0] if "cert_file" in files else None,
+        key_file=files["key_file"][0] if "key_file" in files else None,
+        server_name=server_name,
+        ca_pem=files["ca_file"][1] if "ca_file" in files else None,
+        cert_pem=files["cert_file"][1] if "cert_file" in files else None,
+        key_pem=files["key_file"][1] if "key_file" in files else None,
+    )
+
+
+def _auth(raw: Mapping[str, Any], base_dir: Path, env: Mapping[str, str]) -> dict[str, str | None]:
+    """The bearer token from auth.token_file or auth.token_env; the error names where it was looked
+    for, never the token itself."""
+    _check_keys("auth.", raw, {"token_file", "token_env"})
+    if not raw:
+        return {"token": None, "token_source": ""}
+    if len(raw) > 1:
+        raise ConfigError(f"auth.token_file {raw['token_file']!r} and auth.token_env {raw['token_env']!r} are "
+                          "exclusive: give one")
+    if "token_file" in raw:
+        path = _existing_file("auth.token_file", raw["token_file"], base_dir)
+        token, source = path.read_text(encoding="utf-8").strip(), f"auth.token_file {str(path)!r}"
+    else:
+        name = _str("auth.token_env", raw["token_env"])
+        token, source = env.get(name, "").strip(), f"auth.token_env {name!r}"
+    if not token:
+        raise ConfigError(f"{source} holds no token (empty or unset)")
+    if not all(33 <= ord(c) <= 126 for c in token):
+        raise ConfigError(f"{source} holds a token with whitespace or non-ASCII characters; a bearer token "
+                          "is one printable ASCII word")
+    return {"token": token, "token_source": source}
+
+
+def _existing_file(name: str, value: Any, base_dir: Path) -> Path:
+    path = base_dir / Path(_str(name, value)).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{name} {value!r} is not a readable file (looked for {str(path)!r})")
+    return path
+
+
+def _pem_file(name: str, value: Any, base_dir: Path) -> tuple[Path, bytes]:
+    path = _existing_file(name, value, base_dir)
+    data = path.read_bytes()
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"{name} {value!r} is not a PEM file (no -----BEGIN line in {str(path)!r})")
+    return path, data
 
 
 # ---- typed field readers: each names the key and the value it rejects ----------------------------

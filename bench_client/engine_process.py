@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from bench_client.config import EngineLaunchConfig
+from bench_client.config import ChannelSecurity, EngineLaunchConfig
 from bench_client.rpc import EngineClient
 
 log = structlog.get_logger()
@@ -83,7 +83,7 @@ class ManagedEngine:
     """One engine configuration's process (and its restarts); also the sweep's HealthGate for it."""
 
     def __init__(self, launch: EngineLaunchConfig, settings: dict[str, Any], log_path: Path,
-                 on_exit: Callable[[EngineExit], None]) -> None:
+                 on_exit: Callable[[EngineExit], None], security: ChannelSecurity | None = None) -> None:
         self.launch = launch
         self.settings = settings
         self.log_path = log_path
@@ -96,7 +96,8 @@ class ManagedEngine:
         self._started_at = 0.0
         self._last_exit: EngineExit | None = None
         self._lock = asyncio.Lock()
-        self._client = EngineClient(self.target)
+        self.security = security
+        self._client = EngineClient(self.target, security)  # health checks: over TLS when configured
 
     async def start(self) -> None:
         """Spawn the engine and wait for SERVING within startup_timeout_s, else EngineStartError."""

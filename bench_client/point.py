@@ -150,7 +150,9 @@ class PointRunner:
             chunks: list[Chunk] = []
             sent_at_unix, sent_at = time.time(), time.perf_counter()
             try:
-                async for chunk in self.client.decode(decode, timeout=self.policy.request_timeout_s):
+                async for chunk in self.client.decode(decode, timeout=self.policy.request_timeout_s, attributes={
+                        "bench.request.index": index, "bench.request.attempt": attempt,
+                        "bench.request.warmup": warmup}):
                     chunks.append(chunk)
             except EngineError as err:
                 outcome = await self._after_error(spec, err, index, warmup, attempt, bool(chunks))

@@ -3,6 +3,10 @@
 It turns domain requests into protobuf, protobuf responses into frozen domain values, and every
 failed call into the domain exception of `shared.errors` (with reason, metadata and retry delay),
 so the sweep logic above it decides on domain values alone.
+
+It also owns the transport (plaintext or TLS, bearer token) and the CLIENT span of each Decode:
+a child of the current span (the sweep's point), whose W3C traceparent travels in the call's
+metadata so the engine's SERVER span continues it. With tracing off the spans are the API's no-ops.
 """
 
 from __future__ import annotations
@@ -10,21 +14,27 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import trace
+from opentelemetry.util.types import AttributeValue
 
+from bench_client.config import ChannelSecurity
 from engine.v1 import engine_pb2, engine_pb2_grpc
-from shared.errors import from_rpc_error
+from shared.errors import from_rpc_error, status_code_of
+from shared.tracing import inject_metadata, rpc_attributes, set_rpc_outcome
+
+tracer = trace.get_tracer("bench_client")
 
 SERVICE_NAME = "engine.v1.EngineService"
 
 # round_robin spreads calls over every address the target resolves to (an `ipv4:` list, a
 # `dns:///` name with several records); for a single address it behaves as pick_first does.
 _SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
-_CHANNEL_OPTIONS: Sequence[tuple[str, object]] = (
+_CHANNEL_OPTIONS: Sequence[tuple[str, str | int]] = (
     ("grpc.service_config", _SERVICE_CONFIG),
     ("grpc.enable_retries", 0),  # the client's policy table retries, not the channel
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
@@ -92,11 +102,14 @@ class Chunk:
 
 
 class EngineClient:
-    """One grpc.aio channel to the target (one engine or several replicas)."""
+    """One grpc.aio channel to the target (one engine or several replicas); TLS and a bearer token
+    as `security` says. The token goes on EngineService calls only (health is open)."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, security: ChannelSecurity | None = None) -> None:
         self.target = target
-        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._channel = open_channel(target, security or ChannelSecurity())
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {security.token}"),) if security is not None and security.token else ())
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -105,7 +118,8 @@ class EngineClient:
 
     async def server_info(self, timeout: float = 10.0) -> ServerInfo:
         try:
-            info = await self._stub.GetServerInfo(engine_pb2.GetServerInfoRequest(), timeout=timeout)
+            info = await self._stub.GetServerInfo(engine_pb2.GetServerInfoRequest(), timeout=timeout,
+                                                  metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from err
         return ServerInfo(
@@ -118,7 +132,7 @@ class EngineClient:
 
     async def load(self, timeout: float = 10.0) -> LoadSnapshot:
         try:
-            load = await self._stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout)
+            load = await self._stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from err
         return LoadSnapshot(
@@ -146,8 +160,10 @@ class EngineClient:
                 return False
             await asyncio.sleep(poll_s)
 
-    async def decode(self, spec: DecodeSpec, *, timeout: float) -> AsyncIterator[Chunk]:
-        """Stream the chunks of one Decode call; a failed call raises its EngineError."""
+    async def decode(self, spec: DecodeSpec, *, timeout: float,
+                     attributes: Mapping[str, AttributeValue] | None = None) -> AsyncIterator[Chunk]:
+        """Stream the chunks of one Decode call inside its CLIENT span (a child of the current
+        span, with `attributes` added); a failed call raises its EngineError."""
         request = engine_pb2.DecodeRequest(
             request_id=spec.request_id,
             prompt_token_ids=engine_pb2.TokenIds(ids=spec.prompt_token_ids),
@@ -156,14 +172,56 @@ class EngineClient:
                                                seed=spec.seed),
             ignore_eos=spec.ignore_eos,
         )
-        call = self._stub.Decode(request, timeout=timeout)
+        # Not made current: an async generator may be finished in another context than it started in.
+        span = tracer.start_span(_DECODE_SPAN, kind=trace.SpanKind.CLIENT)
+        if span.is_recording():
+            span.set_attributes({**_DECODE_ATTRIBUTES, "gen_ai.request.max_tokens": spec.max_new_tokens,
+                                 "gen_ai.usage.input_tokens": len(spec.prompt_token_ids),
+                                 "bench.request.id": spec.request_id, **(attributes or {})})
+            metadata = inject_metadata(self._metadata, trace.set_span_in_context(span))
+        else:
+            metadata = list(self._metadata)
+        call = self._stub.Decode(request, timeout=timeout, metadata=metadata)
+        output_tokens, input_tokens = 0, None
         try:
             async for message in call:
-                yield _chunk(message, time.perf_counter())
+                chunk = _chunk(message, time.perf_counter())
+                output_tokens += chunk.num_tokens
+                input_tokens = chunk.prompt_tokens or input_tokens
+                yield chunk
         except grpc.aio.AioRpcError as err:
-            raise from_rpc_error(err) from err
+            error = from_rpc_error(err)
+            set_rpc_outcome(span, status_code_of(error), error.reason, error.message, server=False)
+            raise error from err
+        except (asyncio.CancelledError, GeneratorExit):
+            # The point ended while this call was in flight (a skip, a stop): say so on the span.
+            set_rpc_outcome(span, grpc.StatusCode.CANCELLED, "", "cancelled by the client", server=False)
+            raise
+        else:
+            set_rpc_outcome(span, grpc.StatusCode.OK, server=False)
         finally:
             call.cancel()  # a no-op once the call ended; frees the engine's sequence if we stop early
+            span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
+            if input_tokens is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", input_tokens)  # as the engine counted them
+            span.end()
+
+
+_DECODE_SPAN = "engine.v1.EngineService/Decode"
+_DECODE_ATTRIBUTES = {**rpc_attributes("Decode"), "gen_ai.operation.name": "text_completion"}
+
+
+def open_channel(target: str, security: ChannelSecurity) -> grpc.aio.Channel:
+    """A plaintext channel, or a TLS one (client certificate for mutual TLS, server name override)."""
+    if security.tls is None:
+        return grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+    tls = security.tls
+    credentials = grpc.ssl_channel_credentials(root_certificates=tls.ca_pem, private_key=tls.key_pem,
+                                               certificate_chain=tls.cert_pem)
+    options = [*_CHANNEL_OPTIONS]
+    if tls.server_name is not None:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.aio.secure_channel(target, credentials, options=options)
 
 
 def _chunk(message: engine_pb2.DecodeResponse, received_at: float) -> Chunk:

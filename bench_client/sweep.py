@@ -5,6 +5,10 @@ starts the engine if it manages one, runs the points not yet recorded in context
 each as it ends, and drains the engine. Points the engine already refused with
 CONTEXT_LENGTH_EXCEEDED (same max_new_tokens, a smaller or equal context) are recorded skipped
 without sending. A stop request (SIGTERM) lets the current point finish, then drains and returns.
+
+Traces: the sweep is one trace. Its root span `bench.sweep` has a child `bench.point` per point
+recorded (skipped ones included, with their reason), and each point's Decode calls are CLIENT
+spans under it (rpc.py), continued by the engine. With tracing off the spans are no-ops.
 """
 
 from __future__ import annotations
@@ -18,17 +22,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from bench_client import records
 from bench_client.config import SweepConfig
 from bench_client.engine_process import EngineExit, EngineStartError, ManagedEngine, engine_configurations
 from bench_client.point import PointRunner, PointSkipped, PointSpec, RequestOutcome, SweepStopped
 from bench_client.progress import SweepProgress
-from bench_client.results import PointKey, ResultsDir, engine_key
+from bench_client.results import PointKey, ResultsDir, engine_key, rate_to_json
 from bench_client.rpc import EngineClient, ServerInfo
 from shared.errors import EngineError, status_code_of
+from shared.tracing import record_skip
 
 log = structlog.get_logger()
+tracer = trace.get_tracer("bench_client")
 
 CONTEXT_LENGTH_EXCEEDED = "CONTEXT_LENGTH_EXCEEDED"
 
@@ -110,11 +119,22 @@ class SweepRunner:
         self._stop_requested = True
 
     async def run(self) -> SweepResult:
+        # A new root: a sweep is one trace of its own, whatever the caller's context.
+        with tracer.start_as_current_span("bench.sweep", context=otel_context.Context(),
+                                          attributes={"bench.run_id": self.run_id}) as span:
+            result = await self._run_sweep(span)
+            span.set_attributes({"bench.sweep.end": result.end.value, "bench.sweep.recorded": result.recorded})
+            if result.end is SweepEnd.STOPPED:
+                span.set_status(Status(StatusCode.ERROR, result.message))
+            return result
+
+    async def _run_sweep(self, span: trace.Span) -> SweepResult:
         engines: list[dict[str, Any] | None] = (
             list(engine_configurations(self.config.engine)) if self.config.engine is not None else [None])
         points = grid_points(self.config)
         total = len(engines) * len(points)
         done = sum(1 for e in engines for p in points if self._key(e, p) in self.results.done)
+        span.set_attributes({"bench.sweep.points": total, "bench.sweep.already_recorded": done})
         self.progress.sweep_started(total, done)
         try:
             for engine in engines:
@@ -135,7 +155,7 @@ class SweepRunner:
     async def _run_engine(self, engine: dict[str, Any] | None, todo: list[PointSpec]) -> None:
         async with AsyncExitStack() as stack:
             if engine is None or self.config.engine is None:
-                client = EngineClient(self.config.target)
+                client = EngineClient(self.config.target, self.config.security)
                 stack.push_async_callback(client.close)
                 health: Any = _UnmanagedHealth(client)
                 if not await client.wait_until_serving(self.config.policy.health_wait_s):
@@ -144,11 +164,11 @@ class SweepRunner:
             else:
                 index = len(list((self.results.path).glob("engine-*.log")))
                 managed = ManagedEngine(self.config.engine, engine, self.results.path / f"engine-{index}.log",
-                                        on_exit=self._engine_exited)
+                                        on_exit=self._engine_exited, security=self.config.security)
                 stack.push_async_callback(managed.close)
                 await managed.start()  # EngineStartError propagates: the configuration is unusable
                 stack.push_async_callback(managed.stop)
-                client = EngineClient(managed.target)
+                client = EngineClient(managed.target, self.config.security)
                 stack.push_async_callback(client.close)
                 health = managed
             server_info = await self._server_info(client, health)
@@ -173,16 +193,32 @@ class SweepRunner:
 
     async def _run_point(self, runner: PointRunner, spec: PointSpec, engine: dict[str, Any] | None, target: str,
                          server_info: ServerInfo) -> None:
+        with tracer.start_as_current_span("bench.point", attributes=_point_attributes(spec, engine, target)) as span:
+            record = await self._point_record(runner, spec, engine, target, server_info)
+            span.set_attributes({"bench.point.status": record["status"],
+                                 "bench.point.requests.completed": record["requests"]["completed"],
+                                 "bench.point.requests.failed": record["requests"]["failed"],
+                                 "bench.point.requests.retries": record["requests"]["retries"]})
+            if record["status"] == "skipped":
+                record_skip(span, record["reason"], record["reason_metadata"])
+                span.set_attribute("bench.point.skipped_without_sending", record["skipped_without_sending"])
+            elif record["status"] == "failed":
+                span.set_status(Status(StatusCode.ERROR, f"{record['reason']}: {record['requests']['failed']} of "
+                                                         f"{record['requests']['sent']} requests failed"))
+            self._record(record)
+
+    async def _point_record(self, runner: PointRunner, spec: PointSpec, engine: dict[str, Any] | None,
+                            target: str, server_info: ServerInfo) -> dict[str, Any]:
+        """Run the point (or skip it) and build its record."""
         started_at = time.time()
         common = {"engine": engine, "target": target, "server_info": server_info, "run_id": self.run_id,
                   "started_at": started_at}
         known = self._known_skips.get(engine_key(engine), {}).get(spec.max_new_tokens)
         if known is not None and spec.context_tokens >= known.context_tokens:
-            self._record(records.skipped_record(
+            return records.skipped_record(
                 spec, **common, reason=CONTEXT_LENGTH_EXCEEDED, reason_metadata=known.reason_metadata,
                 message=f"not sent: context {known.context_tokens} with max_new_tokens {spec.max_new_tokens} "
-                        f"was refused ({known.message})", without_sending=True))
-            return
+                        f"was refused ({known.message})", without_sending=True)
         self.progress.point_started(spec, engine)
         try:
             outcome = await runner.run(spec)
@@ -192,11 +228,10 @@ class SweepRunner:
             if reason == CONTEXT_LENGTH_EXCEEDED:
                 self._learn_skip(engine_key(engine), spec.max_new_tokens, spec.context_tokens, err.metadata,
                                  err.message)
-            self._record(records.skipped_record(spec, **common, reason=reason, reason_metadata=err.metadata,
-                                                message=err.message, without_sending=False, sent=1))
-            return
-        self._record(records.point_record(outcome, **common, warmup=self.config.workload.warmup_requests,
-                                          max_error_rate=self.config.policy.max_error_rate))
+            return records.skipped_record(spec, **common, reason=reason, reason_metadata=err.metadata,
+                                          message=err.message, without_sending=False, sent=1)
+        return records.point_record(outcome, **common, warmup=self.config.workload.warmup_requests,
+                                    max_error_rate=self.config.policy.max_error_rate)
 
     def _record(self, record: dict[str, Any]) -> None:
         self.results.append_point(record)
@@ -215,3 +250,16 @@ class SweepRunner:
     def _key(self, engine: dict[str, Any] | None, spec: PointSpec) -> PointKey:
         return PointKey(engine_key(engine), spec.context_tokens, spec.max_new_tokens, spec.concurrency,
                         spec.request_rate)
+
+
+def _point_attributes(spec: PointSpec, engine: dict[str, Any] | None, target: str) -> dict[str, Any]:
+    """The point's parameters and its engine configuration, as span attributes."""
+    return {
+        "bench.point.context_tokens": spec.context_tokens,
+        "bench.point.max_new_tokens": spec.max_new_tokens,
+        "bench.point.concurrency": spec.concurrency,
+        "bench.point.request_rate": rate_to_json(spec.request_rate),  # requests/s, or "inf"
+        "gen_ai.request.max_tokens": spec.max_new_tokens,
+        "bench.target": target,
+        **{f"bench.engine.{key}": value for key, value in (engine or {}).items()},
+    }
