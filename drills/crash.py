@@ -134,7 +134,7 @@ def client_kills(work: Path, quick: bool, checks: Checks) -> tuple[int, dict[str
         for k in range(kills):
             out, log = work / f"out-kill-{k}", work / f"sweep-kill-{k}.log"
             # a random instant: after a random number of recorded points, plus a random delay
-            after, delay = rng.randrange(1, len(grid.points)), rng.uniform(0.0, 0.3)
+            after, delay = rng.randrange(1, len(grid.points) - 1), rng.uniform(0.0, 0.2)
             proc = sweep(config, out, False, log)
             started = time.monotonic()
             while recorded_lines(out) < after and proc.poll() is None and time.monotonic() - started < 60:

@@ -12,7 +12,7 @@ from collections import Counter
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from drills.common import Answer, EngineProcess, answer_of, note, rss_kib
+from drills.common import Answer, EngineProcess, answer_of, collect, note, rss_kib
 from drills.row import Checks, Row
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
@@ -101,8 +101,9 @@ def run(quick: bool) -> Row:
         assert engine.proc is not None
         pid = engine.proc.pid
         stub = engine.stub()
-        for i in range(8):  # warm up before measuring memory
-            list(stub.Decode(pb.DecodeRequest(prompt_text=f"warm {i}", max_new_tokens=MAX_NEW, ignore_eos=True)))
+        warm = [collect(stub.Decode(pb.DecodeRequest(prompt_text=f"warm {i}", max_new_tokens=MAX_NEW, ignore_eos=True),
+                                    timeout=30)) for i in range(8)]  # before measuring memory
+        checks.expect(all(a.ok for a in warm), f"warm-up requests failed: {[a.short() for a in warm if not a.ok][:2]}")
         rss_before = rss_kib(pid)
         note(NAME, f"{callers} callers for {seconds:g} s against --queue-capacity {capacity}")
         started = time.monotonic()
