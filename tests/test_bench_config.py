@@ -119,3 +119,116 @@ def test_cli_refuses_non_empty_out(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_console_script_takes_the_sweep_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert sweep_main([str(tmp_path / "missing.toml"), "--out", str(tmp_path / "out")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ---- [tls] and [auth] ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pem_files(tmp_path: Path) -> Path:
+    for name in ("ca.pem", "client.pem", "client.key"):
+        (tmp_path / name).write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    (tmp_path / "token").write_text("  t0ken-value\n")
+    (tmp_path / "not-pem.txt").write_text("hello\n")
+    return tmp_path
+
+
+def test_tls_and_token_file_paths_are_relative_to_the_config(pem_files: Path) -> None:
+    config_file = pem_files / "sweep.toml"
+    config_file.write_text('target = "127.0.0.1:1"\n[workload]\ncontext_tokens = [8]\nmax_new_tokens = [4]\n'
+                           'concurrency = [1]\n[tls]\nca_file = "ca.pem"\ncert_file = "client.pem"\n'
+                           'key_file = "client.key"\nserver_name = "engine.internal"\n[auth]\ntoken_file = "token"\n')
+    security = load_config(config_file).security
+    assert security.tls is not None and security.tls.ca_file == pem_files / "ca.pem"
+    assert security.tls.cert_pem is not None and security.tls.key_pem is not None
+    assert security.tls.server_name == "engine.internal"
+    assert security.token == "t0ken-value"  # surrounding whitespace stripped
+    assert "t0ken-value" not in repr(security) and "t0ken-value" not in security.token_source
+
+
+def test_token_from_an_environment_variable(pem_files: Path) -> None:
+    config = parse_config(base(auth={"token_env": "SWEEP_TOKEN"}), env={"SWEEP_TOKEN": "abc"})
+    assert config.security.token == "abc" and config.security.tls is None
+    assert parse_config(base()).security.token is None
+
+
+def test_an_empty_tls_table_uses_the_system_roots() -> None:
+    tls = parse_config(base(tls={})).security.tls
+    assert tls is not None and tls.ca_pem is None and tls.cert_pem is None
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"tls": {"ca": "ca.pem"}}, "unknown key tls.ca (value 'ca.pem')"),
+    ({"tls": {"ca_file": "missing.pem"}}, "tls.ca_file 'missing.pem' is not a readable file"),
+    ({"tls": {"ca_file": "not-pem.txt"}}, "tls.ca_file 'not-pem.txt' is not a PEM file"),
+    ({"tls": {"ca_file": 5}}, "tls.ca_file must be a non-empty string, got 5"),
+    ({"tls": {"cert_file": "client.pem"}}, "tls.cert_file 'client.pem' needs tls.key_file"),
+    ({"tls": {"key_file": "client.key"}}, "tls.key_file 'client.key' needs tls.cert_file"),
+    ({"tls": {"server_name": ""}}, "tls.server_name must be a non-empty string, got ''"),
+    ({"tls": "yes"}, "[tls] must be a table, got 'yes'"),
+    ({"auth": {"token": "literal"}}, "unknown key auth.token (value 'literal')"),
+    ({"auth": {"token_file": "missing"}}, "auth.token_file 'missing' is not a readable file"),
+    ({"auth": {"token_env": "UNSET_VARIABLE"}}, "auth.token_env 'UNSET_VARIABLE' holds no token"),
+    ({"auth": {"token_env": "SPACED"}}, "auth.token_env 'SPACED' holds a token with whitespace"),
+    ({"auth": {"token_env": "SWEEP_TOKEN", "token_file": "token"}},
+     "auth.token_file 'token' and auth.token_env 'SWEEP_TOKEN' are exclusive"),
+    ({"auth": {"token_env": ["A"]}}, "auth.token_env must be a non-empty string, got ['A']"),
+])
+def test_bad_tls_and_auth_values_are_named(pem_files: Path, overrides: dict[str, Any], message: str) -> None:
+    env = {"SWEEP_TOKEN": "abc", "SPACED": "two words"}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(base(**overrides), base_dir=pem_files, env=env)
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    (base(target=5), "target must be a non-empty string, got 5"),
+    (base(target=""), "target must be a non-empty string, got ''"),
+    (base(workload=[1]), "[workload] must be a table, got [1]"),
+    (base(policy="fast"), "[policy] must be a table, got 'fast'"),
+    (base(policy={"retries": 3}), "unknown key policy.retries (value 3)"),
+    (base(policy={"max_attempts": 0}), "policy.max_attempts must be >= 1, got 0"),
+    (base(policy={"request_timeout_s": 0}), "policy.request_timeout_s must be a finite number >= 0.001, got 0"),
+    (base(policy={"backoff_initial_s": 1.0, "backoff_max_s": 0.5}),
+     "policy.backoff_max_s must be >= policy.backoff_initial_s 1.0, got 0.5"),
+    (base(policy={"health_wait_s": math.inf}), "policy.health_wait_s must be a finite number >= 0, got inf"),
+    (base(workload={"context_tokens": [8], "max_new_tokens": [4], "concurrency": [1], "requests_per_point": 1.5}),
+     "workload.requests_per_point must be an integer, got 1.5"),
+    (base(workload={"context_tokens": [8], "max_new_tokens": [4], "concurrency": [1], "temperature": 200}),
+     "workload.temperature must be in [0, 100], got 200.0"),
+    (base(workload={"context_tokens": [8], "max_new_tokens": [4], "concurrency": [1], "top_k": -1}),
+     "workload.top_k must be >= 0, got -1"),
+    (base(workload={"context_tokens": [8], "max_new_tokens": [True], "concurrency": [1]}),
+     "workload.max_new_tokens[0] must be an integer, got True"),
+    (base(workload={"context_tokens": [8], "max_new_tokens": [4], "concurrency": [1], "request_rate": "inf"}),
+     "workload.request_rate must be a non-empty list of numbers or \"inf\", got 'inf'"),
+])
+def test_more_bad_values_are_named(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(raw)
+
+
+@pytest.mark.parametrize(("engine", "message"), [
+    ({"command": "engine {port}"}, "engine.command must be a non-empty list of strings, got 'engine {port}'"),
+    ({"command": ["engine", "{port}"], "grid": [1]}, "[engine.grid] must be a table, got [1]"),
+    ({"command": ["engine", "{port}"], "grid": {"max-batch": [1]}}, "engine.grid.max-batch must be an identifier"),
+    ({"command": ["engine", "{port}"], "grid": {"max_batch": [[1]]}},
+     "engine.grid.max_batch values must be strings, numbers or booleans, got [1]"),
+    ({"command": ["engine", "{port}"], "max_restarts": -1}, "engine.max_restarts must be >= 0, got -1"),
+    ({}, "engine.command is required in [engine], got nothing"),
+])
+def test_more_engine_table_errors(engine: dict[str, Any], message: str) -> None:
+    raw = base(engine=engine)
+    del raw["target"]
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(raw)
+
+
+def test_cli_exits_2_on_a_missing_certificate_before_any_request(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "sweep.toml"
+    config.write_text('target = "127.0.0.1:1"\n[workload]\ncontext_tokens = [8]\nmax_new_tokens = [4]\n'
+                      'concurrency = [1]\n[tls]\nca_file = "nowhere/ca.pem"\n')
+    assert main(["sweep", str(config), "--out", str(tmp_path / "out")]) == 2
+    assert f"tls.ca_file 'nowhere/ca.pem' is not a readable file (looked for '{tmp_path}/nowhere/ca.pem')" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # stopped before the results directory, and before any request
