@@ -43,7 +43,8 @@ def skipped_record(spec: PointSpec, *, engine: Mapping[str, Any] | None, target:
         "reason_metadata": dict(reason_metadata),
         "message": message,
         "skipped_without_sending": without_sending,
-        "requests": {"sent": sent, "completed": 0, "failed": 0, "failed_by_code": {}, "retries": 0, "warmup": 0},
+        "requests": {"sent": sent, "completed": 0, "failed": 0, "failed_by_code": {}, "failed_by_reason": {},
+                     "retries": 0, "warmup": 0},
         "metrics": None,
     }
 

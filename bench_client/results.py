@@ -24,7 +24,7 @@ Point record schema `bench_client.point/1` (keys always present unless marked op
   grid), or null when the client targets a running engine.
 - `target`, `server_info` (GetServerInfo as an object; null if it could not be read).
 - `requests`: {"sent": n, "completed": n, "failed": n, "failed_by_code": {"ABORTED": n, ...},
-  "retries": n, "warmup": n}.
+  "failed_by_reason": {"SEQUENCE_ABORTED": n, ...}, "retries": n, "warmup": n}.
 - `metrics`: null when skipped, else the object of metrics.PointMetrics (latencies in ms with mean,
   median, p90, p99; throughputs per second; engine-reported queue time and TTFT).
 - `started_at`, `finished_at`: Unix seconds; `run_id`: the sweep run that recorded the point.
