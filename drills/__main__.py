@@ -36,6 +36,27 @@ def run_one(name: str, quick: bool) -> Row:
     return row
 
 
+def totals(rows: list[Row]) -> str:
+    """The headline figures across the drills that ran (those that did not run are left out)."""
+    fig = {k: v for r in rows for k, v in r.figures.items()}
+    parts = []
+    if "cases fuzzed" in fig:
+        parts.append(f"cases fuzzed {fig['cases fuzzed']}")
+    if "peak callers" in fig:
+        parts.append(f"peak load held {fig['peak callers']} callers, {fig['calls/s']} calls/s "
+                     f"({fig['completed/s']} completed/s)")
+    faults = [f"{fig[k]} {label}" for k, label in (("faults injected", "sequence faults"),
+                                                    ("engine crashes survived", "engine crashes"),
+                                                    ("client kill -9", "client kill -9"))
+              if k in fig]
+    if faults:
+        parts.append("faults injected and survived: " + " + ".join(faults))
+    if "resumes tested" in fig:
+        parts.append(f"resumes tested {fig['resumes tested']}")
+    parts.append(f"results lost {sum(r.lost for r in rows)}")
+    return "; ".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m drills", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="the shortened CI version, with the same assertions")
@@ -46,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown drill {unknown[0]!r}; known: {', '.join(DRILLS)}")
     rows = [run_one(name, args.quick) for name in (args.names or DRILLS)]
     print(markdown_table(rows))
+    print(f"\n{totals(rows)}")
     return 0 if all(r.passed for r in rows) else 1
 
 
