@@ -151,7 +151,7 @@ class ManagedEngine:
             # Through parent_death, so that the engine gets SIGTERM if the sweep dies (even by kill -9).
             guard = [sys.executable, "-m", "bench_client.parent_death", str(os.getpid())]
             self._proc = subprocess.Popen([*guard, *self.command], stdin=subprocess.DEVNULL, stdout=log_file,
-                                          stderr=subprocess.STDOUT)
+                                          stderr=subprocess.STDOUT, env=engine_environment(os.environ))
         self._started_at = time.time()
 
     async def _wait_healthy(self, timeout: float) -> bool:
@@ -212,3 +212,9 @@ def tail(path: Path, lines: int, max_bytes: int = 64 * 1024) -> list[str]:
         f.seek(max(0, size - max_bytes))
         data = f.read()
     return data.decode("utf-8", errors="replace").splitlines()[-lines:]
+
+
+def engine_environment(parent: Mapping[str, str]) -> dict[str, str]:
+    """The managed engine's environment: the client's, less OTEL_SERVICE_NAME, so that the engine
+    reports its traces under its own default name ("engine") rather than the client's."""
+    return {key: value for key, value in parent.items() if key != "OTEL_SERVICE_NAME"}
