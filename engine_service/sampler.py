@@ -28,7 +28,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    logits = logits / p.temperature
+    # Shift by the max before scaling: the same distribution, but a tiny (even subnormal)
+    # temperature cannot overflow to inf and turn softmax into NaN (it just becomes greedy).
+    logits = (logits - logits.max()) / p.temperature
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
