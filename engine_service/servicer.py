@@ -51,9 +51,11 @@ async def _abort(context: grpc.aio.ServicerContext, err: EngineError) -> None:
 
 
 class EngineServicer:
-    def __init__(self, engine: Engine, grace_seconds: float, telemetry: RequestTelemetry | None = None) -> None:
+    def __init__(self, engine: Engine, grace_seconds: float, telemetry: RequestTelemetry | None = None,
+                 log_text: bool = False) -> None:
         self.engine = engine
         self.grace_seconds = grace_seconds
+        self.log_text = log_text  # --log-text: prompt and output text in the log (debug only)
         self.telemetry = telemetry or RequestTelemetry(EngineMetrics(disabled_meter(), engine.load, engine.waiting))
 
     async def decode(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
@@ -87,8 +89,16 @@ class EngineServicer:
             if error is not None:
                 code = status_code_of(error)
             self.telemetry.finish(span, self._outcome(request_id, code, error, started, msg, handle, finish))
+            if self.log_text and handle is not None:
+                self._log_text(handle, ids)
         if error is not None:
             await _abort(context, error)
+
+    def _log_text(self, handle: Handle, ids: dict[str, str]) -> None:
+        tokenizer = self.engine.loaded.tokenizer
+        seq = handle.seq
+        log.info("request_text", request_id=seq.request_id, **ids,
+                 prompt_text=tokenizer.decode(list(seq.request.prompt_ids)), output_text=tokenizer.decode(seq.generated))
 
     def _outcome(self, request_id: str, code: grpc.StatusCode, error: EngineError | None, started: float,
                  msg: pb.DecodeRequest | None, handle: Handle | None, finish: str | None) -> RequestOutcome:

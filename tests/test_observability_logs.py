@@ -106,3 +106,17 @@ def test_every_logged_event_is_snake_case_and_documented():
     assert not not_snake, f"event names must be snake_case: {not_snake}"
     missing = {n: p for n, p in logged.items() if n not in documented}
     assert not missing, f"document these events in docs/events.md: {missing}"
+
+
+def test_text_is_logged_only_with_log_text(start_engine):
+    from engine.v1 import engine_pb2 as pb
+
+    quiet = start_engine("--model", "tiny")
+    loud = start_engine("--model", "tiny", "--log-text")
+    for proc in (quiet, loud):
+        list(proc.stub().Decode(pb.DecodeRequest(request_id="texty", prompt_text="secret prompt", max_new_tokens=3),
+                                timeout=10))
+    proc_lines = {proc: "".join(proc.raw_lines) for proc in (quiet, loud)}
+    assert "secret prompt" not in proc_lines[quiet]
+    [event] = loud.events_named("request_text")
+    assert event["request_id"] == "texty" and event["prompt_text"] == "secret prompt"
