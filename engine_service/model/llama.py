@@ -130,13 +130,10 @@ class Attention(nn.Module):
         cache.k[self.layer][rows, :, positions] = k[:, :, 0]
         cache.v[self.layer][rows, :, positions] = v[:, :, 0]
         length = mask.shape[-1]
-        keys = cache.k[self.layer, :b, :, :length]  # (B, KV, L, D), a view
+        keys = cache.k[self.layer, :b, :, :length]  # (B, KV, L, D), a view: no gather, no copy
         values = cache.v[self.layer, :b, :, :length]
-        q = q.view(b, self.kv_heads, self.heads // self.kv_heads, self.head_dim)  # (B, KV, G, D)
-        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # (B, KV, G, L)
-        scores = scores.masked_fill(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values)  # (B, KV, G, D)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=self.heads != self.kv_heads)  # (B, H, 1, D)
         return self.o_proj(out.reshape(b, 1, self.heads * self.head_dim))
 
 
@@ -242,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         sin = self.rope_sin[positions].unsqueeze(1)
         length = int(positions.max()) + 1
         span = torch.arange(length, device=tokens.device)
-        mask = (span[None, :] > positions[:, None]).view(b, 1, 1, length)  # True = hidden
+        mask = (span[None, :] <= positions[:, None]).view(b, 1, 1, length)  # True = attended
         x = self.model.embed_tokens(tokens).unsqueeze(1)  # (B, 1, hidden)
         for layer in self.model.layers:
             x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, positions, rows, mask, cache)
