@@ -1,0 +1,104 @@
+"""The engine's command line: flags -> frozen configs -> serve (entry: engine_service.__main__)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from engine_service.config import DTYPES, EngineConfig, ServerConfig
+from engine_service.faults import FaultPlan
+from engine_service.model.presets import PRESETS
+from shared.logging import configure_logging
+from shared.tracing import configure_tracing, shutdown_tracing
+
+TOKEN_ENV = "ENGINE_AUTH_TOKEN"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="engine-serve", description="Serve an LLM decode engine over gRPC (engine.v1).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default="tiny",
+                   help=f"a preset with random weights from a fixed seed ({', '.join(PRESETS)}) or a Hugging Face "
+                        "checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    m.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    m.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
+    m.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    s = p.add_argument_group("scheduler and limits")
+    s.add_argument("--max-batch", type=int, default=32, help="running sequences decoded together")
+    s.add_argument("--max-context", type=int, default=2048,
+                   help="tokens per sequence (prompt + max_new_tokens); the KV cache holds max-batch x max-context")
+    s.add_argument("--max-new-tokens", type=int, default=4096, help="largest max_new_tokens a request may ask")
+    s.add_argument("--queue-capacity", type=int, default=256,
+                   help="waiting requests beyond the running batch; more get RESOURCE_EXHAUSTED/QUEUE_FULL")
+    s.add_argument("--max-prefill-tokens", type=int, default=2048,
+                   help="padded prompt tokens prefilled in one step (at least one prompt is always admitted); "
+                        "bounds how long running sequences wait for newcomers' prefill")
+    s.add_argument("--queue-retry-seconds", type=float, default=0.5, help="RetryInfo delay sent with QUEUE_FULL")
+    s.add_argument("--stall-seconds", type=float, default=30.0,
+                   help="a stream whose reader takes no tokens for this long is cancelled and its KV freed")
+    s.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                   help="inject faults (testing only): sequence-error:step=N, sequence-error:rate=P[,seed=S], "
+                        "crash:step=N")
+    n = p.add_argument_group("server")
+    n.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
+    n.add_argument("--port", type=int, default=50051, help="port to bind (0: any free port, logged)")
+    n.add_argument("--grace-seconds", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, how long streams in flight may take to finish")
+    n.add_argument("--max-receive-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request message; larger ones get gRPC's RESOURCE_EXHAUSTED")
+    n.add_argument("--max-concurrent-streams", type=int, default=256, help="concurrent streams per connection")
+    n.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics, on --host (off; 0: any free port, logged)")
+    n.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "info"), help="log level")
+    n.add_argument("--log-text", action="store_true", help="log prompt and output text (debug only)")
+    t = p.add_argument_group("security")
+    t.add_argument("--tls-cert", type=Path, help="PEM server certificate (enables TLS)")
+    t.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    t.add_argument("--tls-client-ca", type=Path, help="PEM CA bundle; client certificates are then required (mTLS)")
+    t.add_argument("--auth-token-file", type=Path,
+                   help=f"file holding the bearer token EngineService requires (or set {TOKEN_ENV})")
+    return p
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """Build the frozen configs; raises ValueError naming the flag and the value."""
+    token = os.environ.get(TOKEN_ENV) or None
+    if args.auth_token_file is not None:
+        token = args.auth_token_file.read_text().strip()
+        if not token:
+            raise ValueError(f"--auth-token-file {args.auth_token_file} is empty")
+    engine = EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
+        max_context=args.max_context, max_new_tokens_limit=args.max_new_tokens, queue_capacity=args.queue_capacity,
+        queue_retry_seconds=args.queue_retry_seconds, max_prefill_tokens=args.max_prefill_tokens,
+        stall_seconds=args.stall_seconds,
+        faults=FaultPlan.parse(args.fault), threads=args.threads,
+    )
+    server = ServerConfig(
+        host=args.host, port=args.port, grace_seconds=args.grace_seconds, max_receive_bytes=args.max_receive_bytes,
+        max_concurrent_streams=args.max_concurrent_streams, metrics_port=args.metrics_port, tls_cert=args.tls_cert,
+        tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, auth_token=token, log_text=args.log_text,
+    )
+    return engine, server
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        engine_cfg, server_cfg = configs_from_args(args)
+        configure_tracing("engine")  # off unless an OTEL_* variable asks for it
+    except (ValueError, OSError) as err:
+        parser.error(str(err))  # exits 2
+    from engine_service.server import serve  # imports torch: after the flags are known good
+
+    try:
+        code = asyncio.run(serve(engine_cfg, server_cfg))
+    finally:
+        shutdown_tracing()  # exports the spans still buffered
+    sys.exit(code)
