@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prefill-tokens", type=int, default=2048,
                    help="padded prompt tokens prefilled in one step (at least one prompt is always admitted); "
                         "bounds how long running sequences wait for newcomers' prefill")
+    s.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per stream message after the first (as vLLM's --stream-interval): fewer, larger "
+                        "messages cost less CPU at high throughput; the first token and the end are sent at once")
     s.add_argument("--queue-retry-seconds", type=float, default=0.5, help="RetryInfo delay sent with QUEUE_FULL")
     s.add_argument("--stall-seconds", type=float, default=30.0,
                    help="a stream whose reader takes no tokens for this long is cancelled and its KV freed")
@@ -75,6 +78,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         model=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
         max_context=args.max_context, max_new_tokens_limit=args.max_new_tokens, queue_capacity=args.queue_capacity,
         queue_retry_seconds=args.queue_retry_seconds, max_prefill_tokens=args.max_prefill_tokens,
+        stream_interval=args.stream_interval,
         stall_seconds=args.stall_seconds,
         faults=FaultPlan.parse(args.fault), threads=args.threads,
     )

@@ -21,6 +21,7 @@ class EngineConfig:
     queue_capacity: int = 256
     queue_retry_seconds: float = 0.5
     max_prefill_tokens: int = 2048
+    stream_interval: int = 1
     stall_seconds: float = 30.0
     faults: FaultPlan = field(default_factory=FaultPlan)
     threads: int = 0
@@ -31,6 +32,7 @@ class EngineConfig:
         _positive("max_new_tokens_limit", self.max_new_tokens_limit)
         _positive("queue_capacity", self.queue_capacity)
         _positive("max_prefill_tokens", self.max_prefill_tokens)
+        _positive("stream_interval", self.stream_interval)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -63,11 +63,18 @@ class TokenStream:
     _error: EngineError | None = None
     _done: bool = False
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
-    taken_at: float = field(default_factory=time.monotonic)  # when the reader last took tokens
+    interval: int = 1  # wake the reader once this many tokens wait (the first token and the end at once)
+    _sent_first: bool = False
+    _offered_at: float = 0.0
 
     def stalled_since(self, now: float) -> float:
-        """Seconds the reader has left tokens waiting (0 when nothing waits)."""
-        return now - self.taken_at if self._pending and not self._done else 0.0
+        """Seconds the reader has left offered tokens untaken (0 when none are offered)."""
+        return now - self._offered_at if self._ready.is_set() and not self._done else 0.0
+
+    def _offer(self) -> None:
+        if not self._ready.is_set():
+            self._offered_at = time.monotonic()
+            self._ready.set()
 
     def push(self, emission: Emission) -> None:
         if self._done:  # already ended (stalled reader, drain, fatal): later tokens are moot
@@ -75,18 +82,19 @@ class TokenStream:
         self._pending.extend(emission.tokens)
         if emission.finish is not None or emission.error is not None:
             self._finish, self._error, self._done = emission.finish, emission.error, True
-        self._ready.set()
+        if self._done or not self._sent_first or len(self._pending) >= self.interval:
+            self._offer()
 
     def fail(self, error: EngineError) -> None:
         if not self._done:
             self._error, self._done = error, True
-            self._ready.set()
+            self._offer()
 
     async def next(self) -> Chunk:
         await self._ready.wait()
         self._ready.clear()
-        self.taken_at = time.monotonic()
         tokens, self._pending = self._pending, []
+        self._sent_first = self._sent_first or bool(tokens)
         if self._done:
             return Chunk(tokens, self._finish, self._error)
         return Chunk(tokens)
@@ -213,7 +221,8 @@ class Engine:
         if self.draining:
             raise EngineDraining.build(self._grace)
         scheduler = self._started_scheduler()
-        handle = Handle(Sequence(request, sink=None, trace=trace or {}), TokenStream())
+        stream = TokenStream(interval=self.config.stream_interval)
+        handle = Handle(Sequence(request, sink=None, trace=trace or {}), stream)
         handle.seq.sink = handle.stream
         scheduler.submit(handle.seq)
         self._live.add(handle)

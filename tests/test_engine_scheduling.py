@@ -135,3 +135,12 @@ def test_get_load_counts_running_sequences(engine):
     assert load.kv_cache_capacity_tokens == 8 * 256
     call.cancel()
     stop.set()
+
+
+def test_stream_interval_sends_fewer_larger_messages(start_engine):
+    proc = start_engine("--model", "tiny", "--stream-interval", "4")
+    responses = decode(proc.stub(), prompt_text="interval", max_new_tokens=23, ignore_eos=True)
+    sizes = [len(r.token_ids) for r in responses]
+    assert sum(sizes) == 23
+    assert sizes[0] >= 1 and all(size >= 4 for size in sizes[1:-1]), sizes
+    assert len(responses) <= 1 + 23 // 4 + 1
