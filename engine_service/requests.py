@@ -99,7 +99,13 @@ def _parse_prompt(msg: Any, limits: Limits, tokenizer: Encoder) -> tuple[int, ..
         # A cheap bound before tokenizing on the event loop: no tokenizer makes fewer tokens than
         # characters / 64, so promptTokens is then a lower bound.
         if len(text) > 64 * limits.max_context_tokens:
-            raise ContextLengthExceeded.build(len(text) // 64, msg.max_new_tokens, limits.max_context_tokens)
+            at_least = len(text) // 64
+            raise ContextLengthExceeded(
+                f"prompt_text of {len(text)} characters is at least {at_least} tokens, more than max_context_tokens "
+                f"{limits.max_context_tokens}",
+                metadata={"promptTokens": at_least, "maxNewTokens": msg.max_new_tokens,
+                          "maxContextTokens": limits.max_context_tokens},
+            )
         return tuple(tokenizer.encode(text))
     ids = tuple(msg.prompt_token_ids.ids)
     if not ids:

@@ -161,3 +161,10 @@ def test_health_reports_both_services_and_reflection_lists_them(engine):
         responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name for r in responses for s in r.list_services_response.service}
     assert {"engine.v1.EngineService", "grpc.health.v1.Health"} <= names
+
+
+def test_huge_prompt_text_is_refused_before_tokenizing(engine):
+    got = expect_error(decode, engine.stub(), prompt_text="x" * (64 * 256 + 64), max_new_tokens=5)
+    assert got["code"] == grpc.StatusCode.INVALID_ARGUMENT and got["info"].reason == "CONTEXT_LENGTH_EXCEEDED"
+    assert "at least 257 tokens" in got["message"]
+    assert dict(got["info"].metadata) == {"promptTokens": "257", "maxNewTokens": "5", "maxContextTokens": "256"}
