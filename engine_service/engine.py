@@ -22,7 +22,7 @@ from engine_service.model.loader import LoadedModel, load_model
 from engine_service.model_runner import ModelRunner
 from engine_service.requests import Limits, Request
 from engine_service.scheduler import LoadSnapshot, Scheduler
-from engine_service.sequence import FinishReason, Sequence, Timings
+from engine_service.sequence import FinishReason, Sequence
 from shared.errors import EngineDraining, EngineError, EngineUnavailable, SequenceError
 
 log = structlog.get_logger()
@@ -106,10 +106,6 @@ class Handle:
 
     seq: Sequence
     stream: TokenStream
-
-    @property
-    def timings(self) -> Timings:
-        return self.seq.timings
 
 
 class Engine:

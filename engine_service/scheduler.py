@@ -130,14 +130,6 @@ class Scheduler:
         with self._cond:
             return len(self._waiting)
 
-    def drain_all(self) -> list[Sequence]:
-        """Every sequence still held (on a fatal error or at shutdown)."""
-        with self._cond:
-            waiting = list(self._waiting)
-            self._waiting.clear()
-        running, self.running = self.running, []
-        return running + waiting
-
 
 def _expired(seq: Sequence, now: float) -> bool:
     return seq.request.deadline is not None and now >= seq.request.deadline

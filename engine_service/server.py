@@ -55,7 +55,7 @@ async def create_server(engine: Engine, cfg: ServerConfig, telemetry: RequestTel
     Without `telemetry`, requests are logged and traced but no metrics are kept."""
     interceptors = [BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
     server = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
-    servicer = EngineServicer(engine, cfg.grace_seconds, telemetry, log_text=cfg.log_text)
+    servicer = EngineServicer(engine, telemetry, log_text=cfg.log_text)
     server.add_generic_rpc_handlers((servicer.handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

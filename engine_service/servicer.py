@@ -51,10 +51,8 @@ async def _abort(context: grpc.aio.ServicerContext, err: EngineError) -> None:
 
 
 class EngineServicer:
-    def __init__(self, engine: Engine, grace_seconds: float, telemetry: RequestTelemetry | None = None,
-                 log_text: bool = False) -> None:
+    def __init__(self, engine: Engine, telemetry: RequestTelemetry | None = None, log_text: bool = False) -> None:
         self.engine = engine
-        self.grace_seconds = grace_seconds
         self.log_text = log_text  # --log-text: prompt and output text in the log (debug only)
         self.telemetry = telemetry or RequestTelemetry(EngineMetrics(disabled_meter(), engine.load, engine.waiting))
 
