@@ -86,7 +86,6 @@ class DecodeLoop:
         # drop: cancelled and expired sequences free their rows before anything runs
         for seq in sched.take_dropped_waiting(now):
             out.append(self._dropped(seq, now))
-        sched.count_finished(len(out))
         for seq in sched.remove_rows(sched.rows_to_drop(now), self.runner.cache.move_row):
             out.append(self._dropped(seq, now))
         # admit

@@ -75,6 +75,7 @@ class Scheduler:
             dropped = [s for s in self._waiting if s.cancelled or _expired(s, now)]
             for seq in dropped:
                 self._waiting.remove(seq)
+        self.finished_count += len(dropped)
         return dropped
 
     def admit(self) -> list[Sequence]:
@@ -111,9 +112,6 @@ class Scheduler:
             self.running.pop()
         self.finished_count += len(removed)
         return removed
-
-    def count_finished(self, n: int) -> None:
-        self.finished_count += n
 
     def publish_load(self) -> None:
         with self._cond:
