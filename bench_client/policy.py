@@ -50,7 +50,11 @@ TABLE: dict[tuple[grpc.StatusCode, str | None], Rule] = {
     (_C.DEADLINE_EXCEEDED, None): Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "timed out"),
     (_C.INTERNAL, None): Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "an engine bug on this request"),
     (_C.UNKNOWN, None): Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "an unmapped engine exception"),
-    (_C.CANCELLED, None): Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "cancelled (by this client's shutdown)"),
+    # This client's own cancellations never arrive here (grpc.aio raises asyncio.CancelledError for
+    # them): a CANCELLED status comes from the engine's side, where gRPC cancels the calls it had
+    # accepted but not started when the server stops. The engine is going away, as for UNAVAILABLE.
+    (_C.CANCELLED, None): Rule(_A.WAIT_FOR_HEALTH_THEN_RETRY, _A.COUNT_FAILED,
+                               "the engine's server stopped with the call unstarted; tokens already streamed are lost"),
     (_C.UNAUTHENTICATED, None): Rule(_A.STOP_SWEEP, _A.STOP_SWEEP, "every request will fail: fix credentials"),
     (_C.PERMISSION_DENIED, None): Rule(_A.STOP_SWEEP, _A.STOP_SWEEP, "every request will fail: fix credentials"),
     (_C.UNIMPLEMENTED, None): Rule(_A.STOP_SWEEP, _A.STOP_SWEEP, "the target does not serve engine.v1"),

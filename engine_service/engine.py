@@ -117,6 +117,7 @@ class Engine:
         self.ready = asyncio.Event()
         self.draining = False
         self._grace = 0.0
+        self._fatal_message: str | None = None  # set once the decode loop has died: the engine is going down
         self._live: set[Handle] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -213,7 +214,10 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------
     def submit(self, request: Request, trace: dict[str, str] | None = None) -> Handle:
-        """Queue a request. Raises EngineDraining or QueueFull. `trace`: the log ids of its span."""
+        """Queue a request. Raises EngineUnavailable (after a fatal error), EngineDraining or QueueFull.
+        `trace`: the log ids of its span."""
+        if self._fatal_message is not None:
+            raise EngineUnavailable(self._fatal_message)
         if self.draining:
             raise EngineDraining.build(self._grace)
         scheduler = self._started_scheduler()
@@ -256,8 +260,10 @@ class Engine:
         self._started_loop().call_soon_threadsafe(self._fatal, exc)
 
     def _fatal(self, exc: BaseException) -> None:
-        self.draining = True
-        self.end_all(EngineUnavailable(f"engine stopped on a fatal error ({type(exc).__name__}); retry after restart"))
+        # New calls get the same UNAVAILABLE as the streams in flight, never ENGINE_DRAINING: this
+        # is no drain, and the process exits within seconds.
+        self._fatal_message = f"engine stopped on a fatal error ({type(exc).__name__}); retry after restart"
+        self.end_all(EngineUnavailable(self._fatal_message))
         for callback in self._fatal_callbacks:
             callback(exc)
 

@@ -1,15 +1,18 @@
 """The gRPC server: EngineService, health, reflection; start-up, drain and fatal shutdown.
 
 `create_server` builds and binds (tests use port 0); `serve` runs the whole lifecycle and
-returns the process exit code: 0 after a drain, 2 when the model cannot load, 70 after a
-fatal error in the decode loop.
+returns the process exit code: 0 after a drain, 2 when the model cannot load; after a fatal
+error in the decode loop it exits the process itself with 70.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import grpc
 import structlog
@@ -83,7 +86,8 @@ async def set_health(running: RunningServer, status: int) -> None:
 
 
 async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
-    """Run until drained (exit 0), until the model fails to load (2) or until a fatal error (70)."""
+    """Run until drained (returns 0) or until the model fails to load (2); a fatal error exits the
+    process with 70 from here (see `exit_now`)."""
     engine = Engine(engine_cfg)
     meter, metrics_server = disabled_meter(), None
     if server_cfg.metrics_port is not None:
@@ -135,11 +139,11 @@ async def _serve(engine: Engine, server_cfg: ServerConfig, telemetry: RequestTel
     if fatal.is_set():
         await set_health(running, health_pb2.HealthCheckResponse.NOT_SERVING)
         await engine.wait_idle(0.5)  # the streams in flight are being told UNAVAILABLE
+        await asyncio.sleep(0.1)  # and gRPC writes those statuses out before the sockets close
         # the loop thread's watchdog exits the process within FATAL_EXIT_AFTER_SECONDS: export now
         await asyncio.to_thread(flush_traces, 0.5)
-        await running.server.stop(0.5)
         log.error("engine_exiting", exit_code=FATAL_EXIT_CODE)
-        return FATAL_EXIT_CODE
+        exit_now(FATAL_EXIT_CODE)
     fatal_wait.cancel()
     return await drain(running, server_cfg.grace_seconds)
 
@@ -159,3 +163,13 @@ async def drain(running: RunningServer, grace_seconds: float) -> int:
     await running.server.stop(1.0)
     log.info("engine_stopped", exit_code=0)
     return 0
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave the process at once, with no server.stop(): on stop, gRPC core cancels the calls it
+    has accepted but not yet handed to a handler, and their callers would read CANCELLED, a code
+    that says "your side cancelled". Exiting closes the sockets instead, so every caller, in
+    flight or arriving, reads UNAVAILABLE: the contract's "the engine died"."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

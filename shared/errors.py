@@ -174,7 +174,9 @@ class EngineUnavailable(EngineError):
 
 
 class Cancelled(EngineError):
-    """The call was cancelled (by this client)."""
+    """CANCELLED as a client receives it. grpc.aio raises asyncio.CancelledError, not this, for the
+    caller's own cancellations; a received CANCELLED means the server's side cancelled the call
+    (gRPC does so for calls it had accepted but not started when the server stops)."""
 
     code = grpc.StatusCode.CANCELLED
 

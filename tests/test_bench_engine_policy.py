@@ -3,6 +3,7 @@ credentials, two replicas behind round_robin, skip propagation."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import grpc
 import pytest
 
 from bench_client import records
+from bench_client.rpc import DecodeSpec, EngineClient
 from bench_client.sweep import SweepEnd
 from tests.bench_helpers import point_counts, read_results, run_in_process, sweep_raw
 
@@ -134,3 +136,32 @@ async def test_a_client_bug_crashes_and_leaves_results_resumable(start_engine, t
     result, results = await run_in_process(raw, tmp_path / "out", resume=True)
     assert result.end is SweepEnd.COMPLETED
     assert sorted(r["context_tokens"] for r in results.records) == [8, 16, 24]
+
+
+async def test_own_cancellation_is_never_a_received_cancelled(start_engine) -> None:
+    """The policy reads a received CANCELLED as "the engine's server stopped": that holds only if
+    this client's own cancellations (a point's task cancelled, the channel closed) never come back
+    as an EngineError. grpc.aio raises asyncio.CancelledError for them; this pins that fact."""
+    engine = start_engine("--model", "tiny", "--max-context", "4096", "--max-new-tokens", "4000")
+    spec = DecodeSpec(request_id="mine", prompt_token_ids=tuple(range(5, 21)), max_new_tokens=4000,
+                      ignore_eos=True, temperature=0.0, top_p=1.0, top_k=0, seed=0)
+    client = EngineClient(engine.address)
+    first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _chunk in client.decode(spec, timeout=60):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first.wait(), 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    first.clear()
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first.wait(), 30)
+    await client.close()  # the channel closed under a call in flight
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    load = engine.wait_load(lambda x: x.running_sequences == 0)
+    assert load.kv_cache_used_tokens == 0

@@ -45,7 +45,7 @@ def received(cls: type[EngineError], code: grpc.StatusCode, message: str = "m") 
     (received(DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED), Action.COUNT_FAILED, Action.COUNT_FAILED),
     (InternalError.build("r1"), Action.COUNT_FAILED, Action.COUNT_FAILED),
     (received(TransportError, grpc.StatusCode.UNKNOWN), Action.COUNT_FAILED, Action.COUNT_FAILED),
-    (received(Cancelled, grpc.StatusCode.CANCELLED), Action.COUNT_FAILED, Action.COUNT_FAILED),
+    (received(Cancelled, grpc.StatusCode.CANCELLED), Action.WAIT_FOR_HEALTH_THEN_RETRY, Action.COUNT_FAILED),
     (Unauthenticated("no token"), Action.STOP_SWEEP, Action.STOP_SWEEP),
     (received(TransportError, grpc.StatusCode.UNIMPLEMENTED), Action.STOP_SWEEP, Action.STOP_SWEEP),
     (received(TransportError, grpc.StatusCode.DATA_LOSS), Action.COUNT_FAILED, Action.COUNT_FAILED),
