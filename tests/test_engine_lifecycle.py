@@ -90,7 +90,7 @@ def test_crash_exits_non_zero_and_in_flight_streams_get_unavailable(start_engine
     code = proc.wait(timeout=10)
     assert code == 70
     assert time.monotonic() - started < 8
-    fatal = proc.events_named("engine_fatal")
+    fatal = proc.wait_events("engine_fatal")
     assert fatal and fatal[0]["error_type"] == "RuntimeError" and "injected crash" in str(fatal[0].get("exception"))
 
 
@@ -143,7 +143,7 @@ def test_health_is_not_serving_while_the_model_loads(start_engine):
 def test_bad_model_exits_non_zero_before_serving(start_engine):
     proc = start_engine("--model", "/nonexistent/model", wait_serving=False)
     assert proc.wait(timeout=30) == 2
-    assert proc.events_named("engine_start_failed")
+    assert proc.wait_events("engine_start_failed")
 
 
 def test_bad_flag_exits_2_with_a_message(start_engine):

@@ -35,8 +35,8 @@ def test_events_about_a_request_carry_its_id_and_the_callers_trace_ids(start_eng
             assert err.code() == grpc.StatusCode.ABORTED
         ctx = span.get_span_context()
     ids = {"trace_id": trace.format_trace_id(ctx.trace_id), "span_id": trace.format_span_id(ctx.span_id)}
-    aborted = proc.events_named("sequence_aborted")
-    finished = [e for e in proc.events_named("request_finished") if e["request_id"] == "doomed-1"]
+    finished = proc.wait_events("request_finished", "doomed-1")
+    aborted = proc.wait_events("sequence_aborted")
     assert len(aborted) == 1 and len(finished) == 1
     for event in (aborted[0], finished[0]):
         assert event["request_id"] == "doomed-1"
@@ -50,7 +50,7 @@ def test_without_a_caller_trace_events_carry_the_request_id_and_no_trace_ids(sta
     list(proc.stub().Decode(pb.DecodeRequest(request_id="plain-1", prompt_text="abc", max_new_tokens=3), timeout=30))
     proc.signal()
     assert proc.wait(30) == 0
-    finished = [e for e in proc.events_named("request_finished") if e["request_id"] == "plain-1"]
+    finished = proc.wait_events("request_finished", "plain-1")
     assert finished and "trace_id" not in finished[0] and finished[0]["status"] == "OK"
     # every line the engine wrote to stderr is one JSON event with a snake_case name
     for line in proc.raw_lines:
@@ -118,5 +118,5 @@ def test_text_is_logged_only_with_log_text(start_engine):
                                 timeout=10))
     proc_lines = {proc: "".join(proc.raw_lines) for proc in (quiet, loud)}
     assert "secret prompt" not in proc_lines[quiet]
-    [event] = loud.events_named("request_text")
+    [event] = loud.wait_events("request_text")
     assert event["request_id"] == "texty" and event["prompt_text"] == "secret prompt"

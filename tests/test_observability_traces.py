@@ -106,7 +106,7 @@ def test_a_successful_decode_continues_the_callers_trace(receiver, client_tracer
     received_client = receiver.wait_for(lambda s: s.service == "client-under-test" and s.trace_id == span.trace_id)
     assert [s.span_id for s in received_client] == [span.parent_span_id]
     # and the engine's log event names the same ids
-    finished = [e for e in proc.events_named("request_finished") if e["request_id"] == "ok-1"]
+    finished = proc.wait_events("request_finished", "ok-1")
     assert finished[0]["trace_id"] == span.trace_id and finished[0]["span_id"] == span.span_id
 
 

@@ -90,7 +90,7 @@ def test_stalled_reader_is_aborted_and_its_kv_freed(start_engine):
     next(call)  # then stop reading
     load = proc.wait_load(lambda x: x.running_sequences == 0, timeout=40)
     assert (load.running_sequences, load.kv_cache_used_tokens) == (0, 0)
-    assert proc.events_named("reader_stalled")[0]["request_id"] == "stalls"
+    assert proc.wait_events("reader_stalled", "stalls")
     got = expect_error(lambda: list(call))
     assert got["code"] == grpc.StatusCode.ABORTED and got["info"].reason == "SEQUENCE_ABORTED"
     assert "reader stalled" in got["info"].metadata["cause"]
