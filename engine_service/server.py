@@ -56,7 +56,8 @@ async def create_server(engine: Engine, cfg: ServerConfig, telemetry: RequestTel
                         ) -> RunningServer:
     """Build the server with every service registered and bind it; health starts NOT_SERVING.
     Without `telemetry`, requests are logged and traced but no metrics are kept."""
-    interceptors = [BearerTokenInterceptor(cfg.auth_token)] if cfg.auth_token else []
+    telemetry = telemetry or RequestTelemetry(EngineMetrics(disabled_meter(), engine.load, engine.waiting))
+    interceptors = [BearerTokenInterceptor(cfg.auth_token, telemetry)] if cfg.auth_token else []
     server = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
     servicer = EngineServicer(engine, telemetry, log_text=cfg.log_text)
     server.add_generic_rpc_handlers((servicer.handler(),))

@@ -100,13 +100,14 @@ class EngineProcess:
     def events_named(self, name: str) -> list[dict]:
         return [e for e in self.events if e.get("event") == name]
 
-    def wait_events(self, name: str, request_id: str | None = None, timeout: float = 10.0) -> list[dict]:
-        """The events `name` (of `request_id` when given), once at least one has been read: the
-        log reaches us through a pipe and a reader thread, later than the RPC's answer."""
+    def wait_events(self, name: str, request_id: str | None = None, count: int = 1,
+                    timeout: float = 10.0) -> list[dict]:
+        """The events `name` (of `request_id` when given), once at least `count` have been read:
+        the log reaches us through a pipe and a reader thread, later than the RPC's answer."""
         deadline = time.monotonic() + timeout
         while True:
             found = [e for e in self.events_named(name) if request_id is None or e.get("request_id") == request_id]
-            if found or time.monotonic() > deadline:
+            if len(found) >= count or time.monotonic() > deadline:
                 return found
             time.sleep(0.02)
 

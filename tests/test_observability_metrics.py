@@ -73,6 +73,15 @@ def test_the_endpoint_serves_every_metric_with_the_requests_counted(metered):
     assert series(samples, "engine_kv_cache_usage") == [0.0]
 
 
+def test_an_unauthenticated_decode_is_counted(start_engine):
+    proc = start_engine("--model", "tiny", "--metrics-port", "0", env={"ENGINE_AUTH_TOKEN": "t0ken"})
+    got = expect_error(decode, proc.stub(), prompt_text="x", max_new_tokens=2)
+    assert got["code"] == grpc.StatusCode.UNAUTHENTICATED
+    samples = scrape(proc.wait_events("metrics_started")[0]["port"])
+    assert series(samples, "engine_requests_total", status="UNAUTHENTICATED", reason="UNAUTHENTICATED") == [1.0]
+    assert series(samples, "engine_prompt_tokens_total") in ([], [0.0])  # nothing was read from the request
+
+
 def test_metrics_are_off_by_default(start_engine):
     proc = start_engine("--model", "tiny")
     assert not proc.events_named("metrics_started")

@@ -133,6 +133,18 @@ def test_a_rejected_decode_shows_its_code_and_reason_on_both_spans(receiver, cli
     assert client_span.attributes["error.type"] == reason
 
 
+def test_an_unauthenticated_decode_has_its_server_span(receiver, client_tracer, start_engine):
+    """The token check runs in an interceptor, before the servicer: the refusal is traced all the same."""
+    proc = start_engine(*ENGINE_ARGS, env={**otel_env(receiver), "ENGINE_AUTH_TOKEN": "t0ken"})
+    client, err = traced_decode(client_tracer, proc.stub(), prompt_text="x", max_new_tokens=2)
+    assert err is not None and err.code() == grpc.StatusCode.UNAUTHENTICATED
+    span = server_span_of(receiver, client)
+    assert span.parent_span_id == trace.format_span_id(client.span_id)
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    assert span.attributes["error.type"] == "UNAUTHENTICATED"
+    assert span.events["rpc_error"]["rpc.grpc.status"] == "UNAUTHENTICATED"
+
+
 def test_spans_are_flushed_at_drain(receiver, client_tracer, start_engine):
     """With a schedule delay far beyond the test, only the shutdown flush can deliver the span."""
     proc = start_engine(*ENGINE_ARGS, env=otel_env(receiver, delay_ms=600_000))

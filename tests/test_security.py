@@ -79,6 +79,12 @@ def test_bearer_token(start_engine, tmp_path, source):
     with proc.channel() as ch:  # health stays open
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
     assert status == health_pb2.HealthCheckResponse.SERVING
+    # each refusal is logged, and a refused Decode is a finished request like any rejection
+    refused = proc.wait_events("call_unauthenticated", count=4)
+    assert sorted((e["method"].rsplit("/", 1)[1], e["credential"]) for e in refused) == [
+        ("Decode", "invalid"), ("Decode", "missing"), ("GetLoad", "invalid"), ("GetLoad", "missing")]
+    finished = [e for e in proc.events_named("request_finished") if e["status"] == "UNAUTHENTICATED"]
+    assert len(finished) == 2 and {e["reason"] for e in finished} == {"UNAUTHENTICATED"}
     assert not any(secret in line for line in proc.raw_lines)
 
 
