@@ -19,7 +19,8 @@ Point record schema `bench_client.point/1` (keys always present unless marked op
 - `reason`: null for "ok"; for "skipped" the engine's ErrorInfo reason (e.g. CONTEXT_LENGTH_EXCEEDED);
   for "failed" `ERROR_RATE_EXCEEDED`. `reason_metadata`: the ErrorInfo metadata (object of strings),
   `message`: the status message or a sentence; `skipped_without_sending`: true when an earlier
-  CONTEXT_LENGTH_EXCEEDED (smaller or equal context, same max_new_tokens) decided the skip.
+  CONTEXT_LENGTH_EXCEEDED (smaller or equal context, same max_new_tokens) decided the skip; its
+  `reason_metadata` is that refusal's, with `promptTokens` set to this point's context.
 - `engine`: the engine configuration (object of the [engine.grid] settings, {} for one without a
   grid), or null when the client targets a running engine.
 - `target`, `server_info` (GetServerInfo as an object; null if it could not be read).

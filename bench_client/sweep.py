@@ -215,8 +215,10 @@ class SweepRunner:
                   "started_at": started_at}
         known = self._known_skips.get(engine_key(engine), {}).get(spec.max_new_tokens)
         if known is not None and spec.context_tokens >= known.context_tokens:
+            # the refusal's metadata, restated for this point: its own prompt length, the same limits
+            metadata = {**known.reason_metadata, "promptTokens": str(spec.context_tokens)}
             return records.skipped_record(
-                spec, **common, reason=CONTEXT_LENGTH_EXCEEDED, reason_metadata=known.reason_metadata,
+                spec, **common, reason=CONTEXT_LENGTH_EXCEEDED, reason_metadata=metadata,
                 message=f"not sent: context {known.context_tokens} with max_new_tokens {spec.max_new_tokens} "
                         f"was refused ({known.message})", without_sending=True)
         self.progress.point_started(spec, engine)

@@ -99,6 +99,9 @@ async def test_context_length_exceeded_skips_larger_points_without_sending(start
     for key in [(150, 8, 2), (200, 8, 1), (200, 8, 2), (150, 100, 2), (200, 100, 1), (200, 100, 2)]:
         assert by_point[key]["status"] == "skipped" and by_point[key]["skipped_without_sending"], key
         assert by_point[key]["reason"] == "CONTEXT_LENGTH_EXCEEDED"
+        meta = by_point[key]["reason_metadata"]  # this point's figures, not those of the refused one
+        assert (meta["promptTokens"], meta["maxNewTokens"], meta["maxContextTokens"]) == (
+            str(key[0]), str(key[1]), "128"), meta
     # nothing was sent for the propagated skips: 2 ok points x 2 requests x 3 + the two refused requests
     assert engine.load().requests_finished <= 3 * 2 * 2 + 2 + 2  # (+2: any concurrent request of a refused point)
 
