@@ -26,17 +26,16 @@ class HFTokenizer:
     """`encode` applies the tokenizer's own post-processor (which adds BOS where the model expects
     it); `decode` and the stream decoder skip special tokens, as ByteTokenizer does."""
 
-    kind = "tokenizer.json"
-
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, bos_token_id: int | None,
-                 eos_token_id: int | None) -> None:
+                 eos_token_id: int | None, kind: str = "tokenizer.json") -> None:
+        self.kind = kind  # where it came from: "tokenizer.json", or "gguf" for a GGUF file's metadata
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -1,5 +1,6 @@
-"""Build a ready model from `--model`: a preset name (random weights from a fixed seed) or a
-Hugging Face checkpoint directory."""
+"""Build a ready model from `--model`: a preset name (random weights from a fixed seed, or a
+packaged real model such as the default `smollm2`), a GGUF file, or a Hugging Face checkpoint
+directory."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ from typing import Protocol
 import torch
 
 from engine_service.model.byte_tokenizer import ByteTokenizer
+from engine_service.model.chat_template import ChatTemplate, load_chat_template
 from engine_service.model.checkpoint import load_checkpoint
 from engine_service.model.config import ModelConfig
-from engine_service.model.hf_tokenizer import load_tokenizer
+from engine_service.model.gguf_checkpoint import load_gguf_weights, parse_config
+from engine_service.model.gguf_reader import read_gguf
+from engine_service.model.gguf_tokenizer import build_gguf_tokenizer
+from engine_service.model.hf_tokenizer import HFTokenizer, load_tokenizer
 from engine_service.model.llama import LlamaForCausalLM
-from engine_service.model.presets import PRESET_SEED, PRESETS
+from engine_service.model.presets import PACKAGED, PRESET_SEED, PRESETS
 
 
 class StreamDecoder(Protocol):
@@ -27,7 +32,7 @@ class Tokenizer(Protocol):
     bos_token_id: int | None
     eos_token_id: int | None
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -40,12 +45,19 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaForCausalLM
     tokenizer: Tokenizer
+    chat_template: ChatTemplate | None = None
 
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Load a preset by name, or a Hugging Face checkpoint directory by path (config.json,
-    *.safetensors, tokenizer.json when present; see checkpoint.py). Raises ValueError naming the
-    preset, file, tensor or field that is wrong."""
+    """Load a preset by name, a GGUF file (`*.gguf`), or a Hugging Face checkpoint directory by path
+    (config.json, *.safetensors, tokenizer.json when present; see checkpoint.py). Raises ValueError
+    naming the preset, file, tensor or field that is wrong."""
+    if spec in PACKAGED:
+        loaded = load_gguf(PACKAGED[spec].locate(spec), device, dtype)
+        return LoadedModel(name=spec, config=loaded.config, model=loaded.model, tokenizer=loaded.tokenizer,
+                           chat_template=loaded.chat_template)
+    if spec.endswith(".gguf") or Path(spec).is_file():  # read_gguf names a file that is not a GGUF
+        return load_gguf(Path(spec), device, dtype)
     if spec in PRESETS:
         config = PRESETS[spec]
         model = LlamaForCausalLM(config)
@@ -54,7 +66,38 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedMod
         return LoadedModel(name=spec, config=config, model=model, tokenizer=ByteTokenizer())
     path = Path(spec)
     if not path.is_dir():
-        raise ValueError(f"--model must be a preset ({', '.join(PRESETS)}) or a checkpoint directory, got {spec!r}")
+        names = ", ".join([*PACKAGED, *PRESETS])
+        raise ValueError(f"--model must be a preset ({names}), a .gguf file or a checkpoint directory, got {spec!r}")
     config, model = load_checkpoint(path, device, dtype)
     tokenizer = load_tokenizer(path, config)
-    return LoadedModel(name=config.name, config=config, model=model, tokenizer=tokenizer)
+    chat_template = load_chat_template(path)
+    return LoadedModel(name=config.name, config=config, model=model, tokenizer=tokenizer,
+                       chat_template=chat_template)
+
+
+def load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """A GGUF file: hyper-parameters, tokenizer and chat template from its metadata, weights
+    dequantized into `dtype`. Raises CheckpointError naming the file and what is wrong with it."""
+    gguf = read_gguf(path)
+    config = parse_config(gguf)
+    tokenizer = build_gguf_tokenizer(gguf)
+    tokens = gguf.require("tokenizer.ggml.tokens", list)
+    named = {name: tokens[i] for name, key in GGUF_SPECIAL_TOKENS.items()
+             if isinstance(i := gguf.get(key, int), int) and 0 <= i < len(tokens)}
+    source = gguf.get("tokenizer.chat_template", str)
+    chat_template = None
+    if source:
+        chat_template = ChatTemplate(source, bos_token=named.pop("bos_token", None),
+                                     eos_token=named.pop("eos_token", None), special_tokens=named,
+                                     origin=f"tokenizer.chat_template of GGUF file {str(path)!r}")
+    model = load_gguf_weights(gguf, config, device, dtype)
+    hf_tokenizer = HFTokenizer(tokenizer, config.vocab_size, config.bos_token_id, config.eos_token_id, kind="gguf")
+    return LoadedModel(name=config.name, config=config, model=model, tokenizer=hf_tokenizer,
+                       chat_template=chat_template)
+
+
+# The special tokens a chat template may name, as transformers passes them for a GGUF tokenizer.
+GGUF_SPECIAL_TOKENS = {
+    "bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id",
+}

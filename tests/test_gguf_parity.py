@@ -1,0 +1,218 @@
+"""GGUF files load as transformers loads them: the packaged SmolLM2 (Q4_1 + Q8_0, llama, tied) and
+files the tests write in other types and architectures. float32 logits within 1e-4, identical
+greedy ids over gRPC for concurrent prompts, the same tokens for a varied corpus, and the K-quant
+types dequantized as transformers dequantizes them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+
+from engine.v1 import engine_pb2 as pb
+from engine.v1 import engine_pb2_grpc
+from engine_service.model.gguf_reader import read_gguf
+from engine_service.model.loader import LoadedModel, load_model
+from tests.checkpoints import PROMPTS, engine_greedy, hf_greedy, make_checkpoint
+from tests.engines import EngineProcess
+from tests.gguf_files import SMOLLM2, hf_gguf_model, hf_gguf_tokenizer, write_gguf
+
+CPU = torch.device("cpu")
+LOGIT_TOLERANCE = 1e-4
+CORPUS = [
+    "Hello world",
+    "What is the capital of France?",
+    "naïve café, déjà vu — über schön! Ça coûte 12,50 €.",
+    "東京は日本の首都です。北京是中国的首都。서울은 한국의 수도입니다.",
+    "emoji: 🙂👍🏽🇫🇷 and a family 👨‍👩‍👧 ",
+    "def f(x):\n\treturn {'a': [1, 2, 3]}  # comment\n\n\n",
+    "   leading spaces, trailing spaces   \n\n  \t tabs\t\tand runs      of spaces",
+    "<|im_start|>user\nspecial tokens in text<|im_end|>\n",
+    "numbers 1234567 3.14159 1e-10 0x1F and URLs https://example.com/a?b=c&d=e",
+    "",
+    " ",
+    "Ünïcödé ẞ ﬁ ligatures ½ ⅞ and combining é (e\u0301)",
+]
+SMOLLM2_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "Water boils at",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_ours() -> LoadedModel:
+    return load_model("smollm2", CPU, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf():  # type: ignore[no-untyped-def]
+    return hf_gguf_tokenizer(SMOLLM2), hf_gguf_model(SMOLLM2)
+
+
+def _logits(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:
+    model = loaded.model
+    model.setup_rope(len(prompt) + 1, CPU)
+    from engine_service.model.llama import KVCache
+
+    cache = KVCache(loaded.config, 1, len(prompt) + 1, torch.float32, CPU)
+    return model.prefill(torch.tensor([prompt]), torch.tensor([len(prompt)]), cache, 0, all_logits=True)[0]
+
+
+def _hf_logits(model, prompt: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0]
+
+
+def test_smollm2_tokenizer_matches_transformers(smollm2_ours: LoadedModel, smollm2_hf) -> None:  # type: ignore[no-untyped-def]
+    hf_tokenizer, _ = smollm2_hf
+    ours = smollm2_ours.tokenizer
+    assert ours.encode("Hello world") == [19556, 905]
+    for text in CORPUS:
+        expected = hf_tokenizer(text)["input_ids"]
+        assert ours.encode(text) == expected, text
+        assert ours.decode(expected) == hf_tokenizer.decode(expected, skip_special_tokens=True), text
+
+
+def test_smollm2_stream_detokenization_is_utf8_safe(smollm2_ours: LoadedModel) -> None:
+    """Token by token, the streamed text never holds a broken character and adds up to the whole."""
+    tokenizer = smollm2_ours.tokenizer
+    for text in CORPUS:
+        ids = tokenizer.encode(text)
+        decoder = tokenizer.stream_decoder()
+        pieces = [decoder.step([token]) for token in ids]
+        assert all("\ufffd" not in piece for piece in pieces), (text, pieces)
+        assert "".join(pieces) == tokenizer.decode(ids), text
+
+
+def test_smollm2_chat_template_matches_transformers(smollm2_ours: LoadedModel, smollm2_hf) -> None:  # type: ignore[no-untyped-def]
+    from engine_service.model.chat_template import ChatMessage
+
+    hf_tokenizer, _ = smollm2_hf
+    conversations = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Capital of Japan?"}],
+        [{"role": "user", "content": "Hi 🙂"}, {"role": "assistant", "content": "Hello! How can I help?"},
+         {"role": "user", "content": "Écris un haïku."}],
+    ]
+    template = smollm2_ours.chat_template
+    assert template is not None
+    for messages in conversations:
+        expected = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False)
+        text = template.render([ChatMessage(m["role"], m["content"]) for m in messages])
+        assert smollm2_ours.tokenizer.encode(text, add_special_tokens=False) == list(expected)
+    first = conversations[0]
+    assert len(hf_tokenizer.apply_chat_template(first, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)) == 37
+
+
+def test_smollm2_config_from_metadata(smollm2_ours: LoadedModel) -> None:
+    config = smollm2_ours.config
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+            config.num_key_value_heads, config.intermediate_size, config.vocab_size) == (30, 576, 9, 3, 1536, 49152)
+    assert config.tie_word_embeddings and config.rope_theta == 100000.0
+    assert config.max_position_embeddings == 8192 and abs(config.rms_norm_eps - 1e-5) < 1e-9
+    assert (config.bos_token_id, config.eos_token_id) == (1, 2)
+
+
+def test_smollm2_float32_logits_match_transformers(smollm2_ours: LoadedModel, smollm2_hf) -> None:  # type: ignore[no-untyped-def]
+    hf_tokenizer, hf = smollm2_hf
+    for text in SMOLLM2_PROMPTS[:2]:
+        prompt = hf_tokenizer(text)["input_ids"]
+        diff = (_logits(smollm2_ours, prompt) - _hf_logits(hf, prompt)).abs().max().item()
+        assert diff < LOGIT_TOLERANCE, (text, diff)
+
+
+def test_smollm2_greedy_over_grpc_matches_transformers(smollm2_hf) -> None:  # type: ignore[no-untyped-def]
+    hf_tokenizer, hf = smollm2_hf
+    prompts = [hf_tokenizer(text)["input_ids"] for text in SMOLLM2_PROMPTS]
+    expected = [hf_greedy(hf, prompt, 12) for prompt in prompts]
+    with EngineProcess("--model", "smollm2", "--dtype", "float32", "--max-batch", "4", "--max-context", "128") as proc:
+        assert _concurrent_greedy(proc.port, prompts, 12) == expected
+
+
+def _concurrent_greedy(port: int | None, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+
+        def one(prompt: list[int]) -> list[int]:
+            request = pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new_tokens,
+                                       ignore_eos=True)
+            return [t for response in stub.Decode(request, timeout=120) for t in response.token_ids]
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(one, prompts))
+
+
+# Files the tests write: another architecture (qwen2, with q/k/v biases) and other tensor types.
+WRITTEN = [
+    ("qwen2", False, GGMLQuantizationType.Q8_0),
+    ("llama", True, GGMLQuantizationType.Q4_0),
+    ("llama", False, GGMLQuantizationType.BF16),
+    ("llama", True, GGMLQuantizationType.F16),
+]
+
+
+@pytest.mark.parametrize(("arch", "tied", "qtype"), WRITTEN, ids=[f"{a}-{q.name}" for a, _, q in WRITTEN])
+def test_written_gguf_float32_logits_match_transformers(tmp_path: Path, arch: str, tied: bool,
+                                                        qtype: GGMLQuantizationType) -> None:
+    path = write_gguf(make_checkpoint(tmp_path, arch, tied), tmp_path / f"model-{qtype.name}.gguf", qtype)
+    ours = load_model(str(path), CPU, torch.float32)
+    hf = hf_gguf_model(path)
+    assert ours.tokenizer.kind == "gguf" and ours.config.tie_word_embeddings == tied
+    tokenizer = hf_gguf_tokenizer(path)
+    for text in PROMPTS:
+        prompt = tokenizer(text)["input_ids"]
+        assert ours.tokenizer.encode(text) == prompt, text
+        diff = (_logits(ours, prompt) - _hf_logits(hf, prompt)).abs().max().item()
+        assert diff < LOGIT_TOLERANCE, (text, diff)
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    assert engine_greedy(ours.model, prompts, 8, CPU) == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+def test_written_qwen2_gguf_greedy_over_grpc_matches_transformers(tmp_path: Path) -> None:
+    path = write_gguf(make_checkpoint(tmp_path, "qwen2", False), tmp_path / "qwen2-q8.gguf", GGMLQuantizationType.Q8_0)
+    hf = hf_gguf_model(path)
+    tokenizer = hf_gguf_tokenizer(path)
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    expected = [hf_greedy(hf, prompt, 16) for prompt in prompts]
+    with EngineProcess("--model", str(path), "--dtype", "float32", "--max-batch", "8", "--max-context", "128") as proc:
+        assert _concurrent_greedy(proc.port, prompts, 16) == expected
+
+
+# K-quants: the gguf package cannot write them, so random blocks are written raw (with sane f16
+# scales), and dequantized both ways.
+K_QUANTS = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176, GGMLQuantizationType.Q6_K: 210}
+
+
+@pytest.mark.parametrize("qtype", list(K_QUANTS), ids=lambda q: q.name)
+def test_k_quants_dequantize_as_transformers_does(tmp_path: Path, qtype: GGMLQuantizationType) -> None:
+    rows, blocks_per_row, block_bytes = 8, 2, K_QUANTS[qtype]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(rows, blocks_per_row * block_bytes), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.1, size=(rows, blocks_per_row, 2)).astype(np.float16).view(np.uint8)
+    blocks = raw.reshape(rows, blocks_per_row, block_bytes)
+    if qtype == GGMLQuantizationType.Q6_K:
+        blocks[:, :, -2:] = scales[:, :, :2]  # d is the block's last field
+    else:
+        blocks[:, :, :4] = scales  # d and dmin come first
+    path = tmp_path / f"{qtype.name}.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("weight", blocks.reshape(rows, -1), raw_dtype=qtype)  # shape in bytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours = read_gguf(path).tensor("weight", torch.float32)
+    theirs = hf_dequantize(torch.from_numpy(blocks.reshape(-1).copy()), int(qtype)).reshape(rows, -1)
+    assert ours.shape == (rows, blocks_per_row * 256)
+    assert torch.isfinite(ours).all() and ours.abs().max() > 0
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=1e-6)
