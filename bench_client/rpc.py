@@ -55,6 +55,7 @@ class ServerInfo:
     dtype: str
     tokenizer: str
     engine_version: str
+    has_chat_template: bool = False
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -127,7 +128,7 @@ class EngineClient:
             max_new_tokens_limit=info.max_new_tokens_limit, max_batch_size=info.max_batch_size,
             queue_capacity=info.queue_capacity, vocab_size=info.vocab_size, eos_token_id=info.eos_token_id,
             bos_token_id=info.bos_token_id, device=info.device, dtype=info.dtype, tokenizer=info.tokenizer,
-            engine_version=info.engine_version,
+            engine_version=info.engine_version, has_chat_template=info.has_chat_template,
         )
 
     async def load(self, timeout: float = 10.0) -> LoadSnapshot:

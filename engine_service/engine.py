@@ -43,6 +43,7 @@ class EngineInfo:
     device: str
     dtype: str
     tokenizer: str
+    has_chat_template: bool
 
 
 @dataclass
@@ -144,6 +145,7 @@ class Engine:
             eos_token_id=loaded.config.eos_token_id if loaded.config.eos_token_id is not None
             else loaded.tokenizer.eos_token_id, bos_token_id=loaded.tokenizer.bos_token_id,
             device=str(device), dtype=cfg.dtype, tokenizer=loaded.tokenizer.kind,
+            has_chat_template=loaded.chat_template is not None,
         )
         self._scheduler = Scheduler(cfg.max_batch, cfg.max_context, cfg.queue_capacity, cfg.queue_retry_seconds,
                                     prefill_token_budget=cfg.max_prefill_tokens)

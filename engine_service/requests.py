@@ -12,16 +12,20 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from engine_service.model.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
 from shared.errors import ContextLengthExceeded, InvalidField
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_TEMPERATURE = 100.0
+# No tokenizer makes fewer tokens than characters / 64: text longer than this many characters per
+# token of the context is refused before it is tokenized (or rendered), with a lower bound.
+MAX_CHARS_PER_TOKEN = 64
 
 
 class Encoder(Protocol):
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,8 @@ class Request:
     deadline: float | None  # time.monotonic() seconds, or None
 
     @classmethod
-    def parse(cls, msg: Any, limits: Limits, tokenizer: Encoder, deadline: float | None) -> Request:
+    def parse(cls, msg: Any, limits: Limits, tokenizer: Encoder, deadline: float | None,
+              chat_template: ChatTemplate | None = None) -> Request:
         request_id = msg.request_id or f"req-{uuid.uuid4().hex[:16]}"
         if not REQUEST_ID.fullmatch(request_id):
             raise InvalidField(
@@ -64,7 +69,7 @@ class Request:
                 f"request_id must be 1..128 characters of [A-Za-z0-9._:-], got {request_id[:140]!r}",
             )
         max_new = msg.max_new_tokens
-        prompt = _parse_prompt(msg, limits, tokenizer)
+        prompt = _parse_prompt(msg, limits, tokenizer, chat_template)
         if not 1 <= max_new <= limits.max_new_tokens_limit:
             raise InvalidField(
                 "max_new_tokens", max_new, f"max_new_tokens must be 1..{limits.max_new_tokens_limit}, got {max_new}"
@@ -88,25 +93,18 @@ class Request:
         )
 
 
-def _parse_prompt(msg: Any, limits: Limits, tokenizer: Encoder) -> tuple[int, ...]:
+def _parse_prompt(msg: Any, limits: Limits, tokenizer: Encoder, chat_template: ChatTemplate | None) -> tuple[int, ...]:
     which = msg.WhichOneof("prompt")
     if which is None:
-        raise InvalidField("prompt", None, "prompt must be set: give prompt_text or prompt_token_ids")
+        raise InvalidField("prompt", None, "prompt must be set: give prompt_text, prompt_token_ids or chat")
     if which == "prompt_text":
         text = msg.prompt_text
         if not text:
             raise InvalidField("prompt_text", text, "prompt_text must not be empty, got ''")
-        # A cheap bound before tokenizing on the event loop: no tokenizer makes fewer tokens than
-        # characters / 64, so promptTokens is then a lower bound.
-        if len(text) > 64 * limits.max_context_tokens:
-            at_least = len(text) // 64
-            raise ContextLengthExceeded(
-                f"prompt_text of {len(text)} characters is at least {at_least} tokens, more than max_context_tokens "
-                f"{limits.max_context_tokens}",
-                metadata={"promptTokens": at_least, "maxNewTokens": msg.max_new_tokens,
-                          "maxContextTokens": limits.max_context_tokens},
-            )
+        _check_text_length(len(text), f"prompt_text of {len(text)} characters", msg.max_new_tokens, limits)
         return tuple(tokenizer.encode(text))
+    if which == "chat":
+        return _parse_chat(msg, limits, tokenizer, chat_template)
     ids = tuple(msg.prompt_token_ids.ids)
     if not ids:
         raise InvalidField("prompt_token_ids.ids", [], "prompt_token_ids.ids must not be empty, got []")
@@ -120,6 +118,61 @@ def _parse_prompt(msg: Any, limits: Limits, tokenizer: Encoder) -> tuple[int, ..
             f"prompt_token_ids.ids[{index}] must be < vocab_size {limits.vocab_size}, got {largest}",
         )
     return ids
+
+
+def _parse_chat(msg: Any, limits: Limits, tokenizer: Encoder, chat_template: ChatTemplate | None) -> tuple[int, ...]:
+    """Render the messages with the model's chat template (generation prompt added) and tokenize
+    the text without adding special tokens, as transformers' apply_chat_template(tokenize=True) does."""
+    count = len(msg.chat.messages)
+    if chat_template is None:
+        raise InvalidField("chat", f"{count} messages",
+                           "chat needs a model with a chat template, and the engine's model has none "
+                           "(ServerInfo.has_chat_template is false); send prompt_text or prompt_token_ids")
+    if count == 0:
+        raise InvalidField("chat.messages", [], "chat.messages must hold at least one message, got []")
+    # Rendering costs time on the event loop per message, whatever its content: bound the count
+    # before rendering (a chat template writes at least one token per message in practice).
+    if count > limits.max_context_tokens:
+        raise InvalidField("chat.messages", f"{count} messages",
+                           f"chat.messages must hold at most max_context_tokens {limits.max_context_tokens} "
+                           f"messages, got {count}")
+    messages = [ChatMessage(role=m.role, content=m.content) for m in msg.chat.messages]
+    for index, message in enumerate(messages):
+        if not message.role:
+            raise InvalidField(f"chat.messages[{index}].role", "", f"chat.messages[{index}].role must not be empty, got ''")
+    content = sum(len(m.content) for m in messages)
+    _check_text_length(content, f"chat.messages with {content} characters of content", msg.max_new_tokens, limits)
+    roles = _clip(", ".join(m.role for m in messages))
+    try:
+        text = chat_template.render(messages)
+    except ChatTemplateError as err:
+        raise InvalidField("chat.messages", roles,
+                           f"chat.messages (roles {roles}) were refused by the model's chat template: {_clip(str(err))}"
+                           ) from None
+    _check_text_length(len(text), f"chat.messages rendered to {len(text)} characters", msg.max_new_tokens, limits)
+    ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+    if not ids:
+        raise InvalidField("chat.messages", roles,
+                           f"chat.messages (roles {roles}) rendered to {_clip(repr(text))}, which is no tokens")
+    return ids
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    """Request-sent text in an error message, kept short enough for a status trailer."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_text_length(characters: int, text: str, max_new_tokens: int, limits: Limits) -> None:
+    """A cheap bound before tokenizing on the event loop (see MAX_CHARS_PER_TOKEN): `text` names
+    the characters counted; promptTokens is then a lower bound."""
+    if characters > MAX_CHARS_PER_TOKEN * limits.max_context_tokens:
+        at_least = characters // MAX_CHARS_PER_TOKEN
+        raise ContextLengthExceeded(
+            f"{text} is at least {at_least} tokens, more than max_context_tokens "
+            f"{limits.max_context_tokens}",
+            metadata={"promptTokens": at_least, "maxNewTokens": max_new_tokens,
+                      "maxContextTokens": limits.max_context_tokens},
+        )
 
 
 def _parse_sampling(sampling: Any) -> SamplingParams:

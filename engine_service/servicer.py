@@ -68,7 +68,8 @@ class EngineServicer:
             await self.engine.ready.wait()
             remaining = context.time_remaining()
             deadline = started + remaining if remaining is not None else None
-            request = Request.parse(msg, self.engine.limits, self.engine.loaded.tokenizer, deadline)
+            loaded = self.engine.loaded
+            request = Request.parse(msg, self.engine.limits, loaded.tokenizer, deadline, loaded.chat_template)
             request_id = request.request_id
             handle = self.engine.submit(request, trace=ids)
             async for response in self._stream(handle):
@@ -150,6 +151,7 @@ class EngineServicer:
             eos_token_id=info.eos_token_id if info.eos_token_id is not None else 0,
             bos_token_id=info.bos_token_id if info.bos_token_id is not None else 0,
             device=info.device, dtype=info.dtype, tokenizer=info.tokenizer, engine_version=__version__,
+            has_chat_template=info.has_chat_template,
         )
 
     async def get_load(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.Load:

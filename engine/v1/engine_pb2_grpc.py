@@ -62,12 +62,20 @@ class EngineServiceServicer:
 
         Errors (see the table above):
         - INVALID_ARGUMENT / INVALID_FIELD: a field is invalid (BadRequest.FieldViolation names it:
-        request_id, prompt, prompt_text, prompt_token_ids.ids, max_new_tokens, sampling.temperature,
-        sampling.top_p, sampling.top_k, stop_token_ids, or "request" when the bytes do not decode).
-        Sent before anything is queued. Never retry.
+        request_id, prompt, prompt_text, prompt_token_ids.ids, chat, chat.messages,
+        chat.messages[i].role, max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
+        stop_token_ids, or "request" when the bytes do not decode).
+        Sent before anything is queued. Never retry. For `chat`: `chat` when the model has no chat
+        template (send prompt_text or prompt_token_ids instead); `chat.messages` when the list is
+        empty or longer than max_context_tokens, when the model's chat template refuses the
+        conversation (for example roles out of the order it accepts; the description carries the
+        template's own message), or when the rendered conversation tokenizes to nothing;
+        `chat.messages[i].role` when a role is empty.
         - INVALID_ARGUMENT / CONTEXT_LENGTH_EXCEEDED: prompt tokens + max_new_tokens exceed the
-        engine's max_context_tokens. Sent before anything is queued. A bigger prompt or the same
-        prompt with more max_new_tokens will fail too.
+        engine's max_context_tokens (for `chat`, the prompt is the rendered conversation). Sent
+        before anything is queued. A bigger prompt or the same prompt with more max_new_tokens will
+        fail too. A prompt_text or chat far too long to tokenize (over 64 characters per token of
+        max_context_tokens) is refused before tokenizing, with promptTokens a lower bound.
         - RESOURCE_EXHAUSTED / QUEUE_FULL (+ RetryInfo): the waiting queue is at capacity. Retry after
         at least retry_delay, with jitter and a bound on attempts.
         - ABORTED / SEQUENCE_ABORTED: this sequence failed mid-decode; other requests were not

@@ -18,8 +18,9 @@ class ByteTokenizer:
     bos_token_id: int | None = BOS_ID
     eos_token_id: int | None = EOS_ID
 
-    def encode(self, text: str) -> list[int]:
-        return [BOS_ID, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's UTF-8 bytes, after BOS unless `add_special_tokens` is False."""
+        return [BOS_ID, *text.encode("utf-8")] if add_special_tokens else list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
