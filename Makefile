@@ -25,7 +25,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 serve: setup
-	$(BIN)/python -m engine_service --model tiny
+	$(BIN)/python -m engine_service --model smollm2
 
 lint: setup
 	$(BIN)/ruff check .

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from engine_service.config import DTYPES, EngineConfig, ServerConfig
 from engine_service.faults import FaultPlan
-from engine_service.model.presets import PRESETS
+from engine_service.model.presets import DEFAULT_MODEL, PACKAGED, PRESETS
 from shared.logging import configure_logging
 from shared.tracing import configure_tracing, shutdown_tracing
 
@@ -21,9 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engine-serve", description="Serve an LLM decode engine over gRPC (engine.v1).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="tiny",
-                   help=f"a preset with random weights from a fixed seed ({', '.join(PRESETS)}) or a Hugging Face "
-                        "checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    m.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a packaged real model ({', '.join(PACKAGED)}: SmolLM2-135M-Instruct, GGUF Q4_1), a preset "
+                        f"with random weights from a fixed seed ({', '.join(PRESETS)}), a GGUF file (PATH.gguf: llama "
+                        "or qwen2; F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) or a Hugging Face checkpoint "
+                        "directory (config.json, *.safetensors, tokenizer.json)")
     m.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     m.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
     m.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")

@@ -12,7 +12,7 @@ from engine_service.faults import FaultPlan
 class EngineConfig:
     """The model, its placement and the scheduler's limits."""
 
-    model: str = "tiny"
+    model: str = "smollm2"  # the packaged SmolLM2-135M-Instruct GGUF (engine_service.model.presets)
     device: str = "cpu"
     dtype: str = "float32"
     max_batch: int = 32
