@@ -28,11 +28,12 @@ from tests.engines import EngineProcess
 MIB = 1024 * 1024
 
 
-def rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """Resident memory now (VmRSS), or its peak so far (VmHWM)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
 
 
 async def run(address: str, requests: int, concurrency: int, prompt: int, new: int) -> int:
@@ -59,20 +60,20 @@ async def run(address: str, requests: int, concurrency: int, prompt: int, new: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="small", choices=sorted(PRESETS))
+    parser.add_argument("--model", default="small", help="a preset (small, smollm2, ...) or a .gguf file")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--max-context", type=int, default=2048)
     args = parser.parse_args()
-    config = PRESETS[args.model]
+    config = model_config(args.model)
     weights = sum(p.numel() for p in _param_shapes(config)) * 4
     kv = KVCache(config, 1, 1, torch.float32, torch.device("meta")).bytes_per_token() * args.concurrency * args.max_context
     with EngineProcess("--model", args.model, "--max-batch", str(args.concurrency), "--max-context",
                        str(args.max_context), "--threads", "0") as proc:
         pid = proc.proc.pid
-        ready = rss_bytes(pid)
+        ready, loading_peak = rss_bytes(pid), rss_bytes(pid, "VmHWM")
         asyncio.run(run(proc.address, args.concurrency * 2, args.concurrency, args.prompt, args.new))
         warm = rss_bytes(pid)
         done = asyncio.run(run(proc.address, args.requests, args.concurrency, args.prompt, args.new))
@@ -80,9 +81,22 @@ def main() -> None:
     print(f"# {args.model}, max-batch {args.concurrency}, max-context {args.max_context}, {done} requests "
           f"({args.prompt} prompt + {args.new} new tokens)")
     print(f"weights {weights / MIB:8.1f} MiB   KV cache {kv / MIB:8.1f} MiB")
+    print(f"peak RSS up to ready (loading) {loading_peak / MIB:8.1f} MiB = {loading_peak / (weights + kv):.2f}x "
+          f"weights (float32, dequantized) + KV")
     print(f"RSS ready {ready / MIB:8.1f} MiB   after warm-up {warm / MIB:8.1f} MiB   after {done} requests {end / MIB:8.1f} MiB")
     print(f"overhead beyond weights + KV after the run: {(end - weights - kv) / MIB:8.1f} MiB")
     print(f"growth over the run (end - warm-up): {(end - warm) / MIB:+8.1f} MiB")
+
+
+def model_config(spec: str):  # type: ignore[no-untyped-def]
+    """The architecture of a preset, packaged model or GGUF file, without loading its weights."""
+    from engine_service.model.gguf_checkpoint import parse_config
+    from engine_service.model.gguf_reader import read_gguf
+    from engine_service.model.presets import PACKAGED
+
+    if spec in PRESETS:
+        return PRESETS[spec]
+    return parse_config(read_gguf(PACKAGED[spec].locate(spec) if spec in PACKAGED else Path(spec)))
 
 
 def _param_shapes(config):  # type: ignore[no-untyped-def]

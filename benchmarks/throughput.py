@@ -1,8 +1,9 @@
 """Engine throughput against its raw limit and against Hugging Face transformers, in one run.
 
-    python benchmarks/throughput.py [--dtype float32|bfloat16] [--quick]
+    python benchmarks/throughput.py [--model small|smollm2|PATH] [--dtype float32|bfloat16] [--quick]
 
-Same machine, same weights (`small` preset), prompt 128 tokens, 64 new tokens, ignore_eos,
+Same machine, same weights (`--model`: the `small` preset by default; `smollm2` is the default
+model, SmolLM2-135M-Instruct), prompt 128 tokens, 64 new tokens, ignore_eos,
 greedy. Prints absolute figures and the ratios the README records:
   1. the engine over gRPC at concurrency 1, 8, 32: output tokens/s, TTFT, TPOT (median, p99);
   2. the raw limit: the engine's model in a bare batched decode loop at batch 1, 8, 32;
@@ -135,23 +136,24 @@ def hf_generate(hf, batch: int, requests: int) -> Result:  # type: ignore[no-unt
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small", help="a preset (small, smollm2, ...), a .gguf file or a directory")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run, noisier)")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
     args = parser.parse_args()
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
-    loaded = load_model("small", torch.device("cpu"), dtype)
+    loaded = load_model(args.model, torch.device("cpu"), dtype)
     model = loaded.model
     per_conc = {1: 4 if args.quick else 8, 8: 16 if args.quick else 32, 32: 32 if args.quick else 96}
-    print(f"# small preset, {args.dtype}, prompt {PROMPT}, {NEW} new tokens, greedy, torch threads {torch.get_num_threads()}")
+    print(f"# {args.model}, {args.dtype}, prompt {PROMPT}, {NEW} new tokens, greedy, torch threads {torch.get_num_threads()}")
 
     raw = {b: raw_loop(model, b, dtype, repeats=2 if args.quick else 3) for b in (1, 8, 32)}
     for b, r in raw.items():
         print(f"raw loop  batch {b:>2}: {r.tokens_per_s:8.1f} tok/s  step {r.tpot_median * 1e3:7.2f} ms")
 
     eng: dict[int, Result] = {}
-    with EngineProcess("--model", "small", "--dtype", args.dtype, "--max-batch", "32", "--max-context",
+    with EngineProcess("--model", args.model, "--dtype", args.dtype, "--max-batch", "32", "--max-context",
                        str(PROMPT + NEW), "--threads", "0", "--queue-capacity", "256") as proc:
         asyncio.run(engine_run(proc.address, 4, 4))  # warm-up
         for c in (1, 8, 32):

@@ -216,3 +216,26 @@ def test_k_quants_dequantize_as_transformers_does(tmp_path: Path, qtype: GGMLQua
     assert ours.shape == (rows, blocks_per_row * 256)
     assert torch.isfinite(ours).all() and ours.abs().max() > 0
     torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_every_end_token_the_metadata_names_ends_generation(tmp_path: Path) -> None:
+    """EOS, and an end-of-turn token named by `tokenizer.ggml.eot_token_id`, both finish with EOS."""
+    directory = make_checkpoint(tmp_path, "llama", False)
+    plain = write_gguf(directory, tmp_path / "plain.gguf", GGMLQuantizationType.F16)
+    tokenizer = hf_gguf_tokenizer(plain)
+    prompt = tokenizer(PROMPTS[0])["input_ids"]
+    free_run = engine_greedy(load_model(str(plain), CPU, torch.float32).model, [prompt], 12, CPU)[0]
+    eos = 2
+    stop_at = next(i for i, token in enumerate(free_run) if token != eos and token not in free_run[:i] and i >= 2)
+    path = write_gguf(directory, tmp_path / "eot.gguf", GGMLQuantizationType.F16,
+                      metadata={"tokenizer.ggml.eot_token_id": free_run[stop_at]})
+    assert load_model(str(path), CPU, torch.float32).config.stop_token_ids == (eos, free_run[stop_at])
+    with EngineProcess("--model", str(path), "--max-context", "128") as proc, \
+            grpc.insecure_channel(proc.address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        request = pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_new_tokens=12)
+        responses = list(stub.Decode(request, timeout=60))
+        assert [t for r in responses for t in r.token_ids] == free_run[:stop_at + 1]
+        assert responses[-1].finish_reason == pb.FINISH_REASON_EOS
+        request.ignore_eos = True
+        assert [t for r in stub.Decode(request, timeout=60) for t in r.token_ids] == free_run
