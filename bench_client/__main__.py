@@ -1,8 +1,12 @@
-"""CLI: `python -m bench_client sweep [CONFIG.toml] --out DIR [--resume] [--detail]` and
-`python -m bench_client report DIR`. Without CONFIG, the sweep runs the packaged demo (demo.toml).
+"""CLI: `python -m bench_client sweep [CONFIG.toml] --out DIR [--resume] [--detail]`,
+`python -m bench_client report DIR` and `python -m bench_client chat QUESTION [--target HOST:PORT]`.
+Without CONFIG, the sweep runs the packaged demo (demo.toml).
 
-Exit codes: 0 every point recorded; 1 the sweep stopped (engine down, credentials; resumable);
-2 a usage or configuration error (the sweep TOML, --out, or an OTEL_* variable), before any request; 130/143 interrupted by SIGINT/SIGTERM after draining (resumable).
+Exit codes of sweep: 0 every point recorded; 1 the sweep stopped (engine down, credentials;
+resumable); 2 a usage or configuration error (the sweep TOML, --out, or an OTEL_* variable), before
+any request; 130/143 interrupted by SIGINT/SIGTERM after draining (resumable).
+Exit codes of chat: 0 answered; 1 the engine refused or failed the question (its status, reason and
+message are printed) or a managed engine did not start; 2 a usage error; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ from pathlib import Path
 
 import structlog
 
+from bench_client.chat import DEFAULT_MODEL, Question, ask_engine
 from bench_client.config import ConfigError, SweepConfig, load_config
+from bench_client.engine_process import EngineStartError
 from bench_client.progress import SweepProgress
 from bench_client.report import print_table, write_plots
 from bench_client.results import ResultsDir, ResultsError, load_for_report
 from bench_client.sweep import SweepEnd, SweepResult, SweepRunner
+from shared.errors import EngineError, status_code_of
 from shared.logging import configure_logging
 from shared.tracing import configure_tracing, shutdown_tracing
 
@@ -129,6 +136,44 @@ def run_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _chat_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("question", help="the user message")
+    parser.add_argument("--target", default=None,
+                        help="a running engine (HOST:PORT); without it, a managed engine is started and drained")
+    parser.add_argument("--model", default=None,
+                        help=f"the managed engine's --model (default: {DEFAULT_MODEL}); not with --target")
+    parser.add_argument("--system", default="", help="a system message before the question")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="at most this many answer tokens")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seed when temperature > 0")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds the answer may take")
+    return parser
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    if args.target is not None and args.model is not None:
+        print(f"error: --model {args.model!r} names a managed engine's model; with --target {args.target!r} the "
+              "engine there answers with its own model", file=sys.stderr)
+        return EXIT_USAGE
+    question = Question(args.question, system=args.system, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, seed=args.seed)
+    try:
+        answer = asyncio.run(ask_engine(question, target=args.target, model=args.model or DEFAULT_MODEL,
+                                        timeout=args.timeout, out=sys.stdout))
+    except EngineError as err:
+        print(f"error: {status_code_of(err).name} {err.reason}: {err.message}", file=sys.stderr)
+        return EXIT_STOPPED
+    except EngineStartError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_STOPPED
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    print()
+    if answer.finish_reason == "LENGTH":
+        print(f"(the answer stopped at --max-new-tokens {args.max_new_tokens})", file=sys.stderr)
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging()
     parser = argparse.ArgumentParser(prog="python -m bench_client", description=__doc__.split("\n\n")[0])
@@ -136,8 +181,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _sweep_parser(commands.add_parser("sweep", help="run a sweep"))
     report = commands.add_parser("report", help="print the table and write the plots of a results directory")
     report.add_argument("dir", type=Path)
+    _chat_parser(commands.add_parser("chat", help="ask one question as chat messages; stream the answer"))
     args = parser.parse_args(argv)
-    return run_sweep(args) if args.command == "sweep" else run_report(args)
+    commands_run = {"sweep": run_sweep, "report": run_report, "chat": run_chat}
+    return commands_run[args.command](args)
 
 
 def sweep_main(argv: Sequence[str] | None = None) -> int:

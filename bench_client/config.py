@@ -32,6 +32,11 @@ max_restarts = 1                    # restarts after a crash, per engine configu
 [engine.grid]                       # each combination is one engine configuration
 max_batch = [8, 32]                 # `{max_batch}` in the command, or appended as `--max-batch 8`
 
+[preview]                           # optional: before the first point, ask the engine one chat question
+question = "What is the capital of France?"   # and print the streamed answer (greedy); needs a model
+system = "Answer in one sentence."  # with a chat template; optional system message
+max_new_tokens = 64
+
 [tls]                               # optional: TLS to the engine (the table alone: the system's CAs)
 ca_file = "certs/ca.pem"            # PEM roots that sign the engine's certificate
 cert_file = "certs/client.pem"      # with key_file: a client certificate for mutual TLS
@@ -102,6 +107,15 @@ class EngineLaunchConfig:
 
 
 @dataclass(frozen=True)
+class PreviewConfig:
+    """One chat question asked before the sweep's first point, its answer printed (bench_client.chat)."""
+
+    question: str
+    system: str = ""
+    max_new_tokens: int = 64
+
+
+@dataclass(frozen=True)
 class TlsConfig:
     """TLS to the engine; the PEM contents were read at load. No ca: the system's roots."""
 
@@ -130,6 +144,7 @@ class SweepConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     engine: EngineLaunchConfig | None = None
     security: ChannelSecurity = field(default_factory=ChannelSecurity)
+    preview: PreviewConfig | None = None
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -150,7 +165,7 @@ def parse_config(raw: Mapping[str, Any], *, base_dir: Path | None = None,
                  env: Mapping[str, str] | None = None) -> SweepConfig:
     """Validate a parsed configuration; relative paths are taken from `base_dir` (default: the
     working directory), `auth.token_env` is looked up in `env` (default: os.environ)."""
-    _check_keys("", raw, {"target", "workload", "policy", "engine", "tls", "auth"})
+    _check_keys("", raw, {"target", "workload", "policy", "engine", "tls", "auth", "preview"})
     engine = _engine(raw["engine"]) if "engine" in raw else None
     if "target" in raw:
         target = _str("target", raw["target"])
@@ -173,6 +188,7 @@ def parse_config(raw: Mapping[str, Any], *, base_dir: Path | None = None,
             **_auth(_table("auth", raw.get("auth", {})), base_dir or Path.cwd(),
                     os.environ if env is None else env),
         ),
+        preview=_preview(_table("preview", raw["preview"])) if "preview" in raw else None,
     )
 
 
@@ -268,6 +284,21 @@ def _engine(raw_value: Any) -> EngineLaunchConfig:
                                minimum=0.1),
         max_restarts=_int("engine.max_restarts", raw.get("max_restarts", d.max_restarts), minimum=0),
         log_tail_lines=_int("engine.log_tail_lines", raw.get("log_tail_lines", d.log_tail_lines), minimum=0),
+    )
+
+
+def _preview(raw: Mapping[str, Any]) -> PreviewConfig:
+    _check_keys("preview.", raw, set(PreviewConfig.__dataclass_fields__))
+    if "question" not in raw:
+        raise ConfigError("preview.question is required in [preview], got nothing")
+    d = PreviewConfig(question="")
+    system = raw.get("system", d.system)
+    if not isinstance(system, str):
+        raise ConfigError(f"preview.system must be a string, got {system!r}")
+    return PreviewConfig(
+        question=_str("preview.question", raw["question"]),
+        system=system,
+        max_new_tokens=_int("preview.max_new_tokens", raw.get("max_new_tokens", d.max_new_tokens), minimum=1),
     )
 
 

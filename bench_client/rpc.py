@@ -84,6 +84,21 @@ class DecodeSpec:
 
 
 @dataclass(frozen=True)
+class ChatMessage:
+    role: str  # "system", "user", "assistant"
+    content: str
+
+
+@dataclass(frozen=True)
+class ChatSpec:
+    request_id: str
+    messages: tuple[ChatMessage, ...]
+    max_new_tokens: int
+    temperature: float  # 0: greedy
+    seed: int
+
+
+@dataclass(frozen=True)
 class EngineTiming:
     queue_seconds: float
     time_to_first_token_seconds: float
@@ -92,10 +107,11 @@ class EngineTiming:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One streamed message: when it arrived and how many tokens it carried."""
+    """One streamed message: when it arrived, how many tokens it carried and their text."""
 
     received_at: float  # time.perf_counter()
     num_tokens: int
+    text: str  # "" where the engine's tokenizer cannot detokenize (or holds back a partial character)
     finish_reason: str | None  # "LENGTH", "EOS", "STOP" on the last message
     prompt_tokens: int | None
     completion_tokens: int | None
@@ -161,8 +177,8 @@ class EngineClient:
                 return False
             await asyncio.sleep(poll_s)
 
-    async def decode(self, spec: DecodeSpec, *, timeout: float,
-                     attributes: Mapping[str, AttributeValue] | None = None) -> AsyncIterator[Chunk]:
+    def decode(self, spec: DecodeSpec, *, timeout: float,
+               attributes: Mapping[str, AttributeValue] | None = None) -> AsyncIterator[Chunk]:
         """Stream the chunks of one Decode call inside its CLIENT span (a child of the current
         span, with `attributes` added); a failed call raises its EngineError."""
         request = engine_pb2.DecodeRequest(
@@ -173,12 +189,31 @@ class EngineClient:
                                                seed=spec.seed),
             ignore_eos=spec.ignore_eos,
         )
+        return self._stream(request, timeout, {
+            **_DECODE_ATTRIBUTES, "gen_ai.operation.name": "text_completion",
+            "gen_ai.request.max_tokens": spec.max_new_tokens, "gen_ai.usage.input_tokens": len(spec.prompt_token_ids),
+            "bench.request.id": spec.request_id, **(attributes or {})})
+
+    def chat(self, spec: ChatSpec, *, timeout: float) -> AsyncIterator[Chunk]:
+        """Stream the answer to chat messages (the engine renders the model's chat template), as
+        `decode` streams; a model without a chat template raises InvalidRequest (INVALID_FIELD)."""
+        request = engine_pb2.DecodeRequest(
+            request_id=spec.request_id,
+            chat=engine_pb2.ChatPrompt(messages=[engine_pb2.ChatMessage(role=m.role, content=m.content)
+                                                 for m in spec.messages]),
+            max_new_tokens=spec.max_new_tokens,
+            sampling=engine_pb2.SamplingParams(temperature=spec.temperature, top_p=1.0, top_k=0, seed=spec.seed),
+        )
+        return self._stream(request, timeout, {
+            **_DECODE_ATTRIBUTES, "gen_ai.operation.name": "chat", "gen_ai.request.max_tokens": spec.max_new_tokens,
+            "bench.request.id": spec.request_id})
+
+    async def _stream(self, request: engine_pb2.DecodeRequest, timeout: float,
+                      attributes: Mapping[str, AttributeValue]) -> AsyncIterator[Chunk]:
         # Not made current: an async generator may be finished in another context than it started in.
         span = tracer.start_span(_DECODE_SPAN, kind=trace.SpanKind.CLIENT)
         if span.is_recording():
-            span.set_attributes({**_DECODE_ATTRIBUTES, "gen_ai.request.max_tokens": spec.max_new_tokens,
-                                 "gen_ai.usage.input_tokens": len(spec.prompt_token_ids),
-                                 "bench.request.id": spec.request_id, **(attributes or {})})
+            span.set_attributes(attributes)
             metadata = inject_metadata(self._metadata, trace.set_span_in_context(span))
         else:
             metadata = list(self._metadata)
@@ -209,7 +244,7 @@ class EngineClient:
 
 
 _DECODE_SPAN = "engine.v1.EngineService/Decode"
-_DECODE_ATTRIBUTES = {**rpc_attributes("Decode"), "gen_ai.operation.name": "text_completion"}
+_DECODE_ATTRIBUTES = rpc_attributes("Decode")
 
 
 def open_channel(target: str, security: ChannelSecurity) -> grpc.aio.Channel:
@@ -230,6 +265,7 @@ def _chunk(message: engine_pb2.DecodeResponse, received_at: float) -> Chunk:
     return Chunk(
         received_at=received_at,
         num_tokens=len(message.token_ids),
+        text=message.text,
         finish_reason=engine_pb2.FinishReason.Name(message.finish_reason).removeprefix("FINISH_REASON_")
         if last else None,
         prompt_tokens=message.usage.prompt_tokens if message.HasField("usage") else None,

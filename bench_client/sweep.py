@@ -2,7 +2,8 @@
 
 For each engine configuration (one unmanaged target, or each combination of [engine.grid]) it
 starts the engine if it manages one, runs the points not yet recorded in context order, records
-each as it ends, and drains the engine. Points the engine already refused with
+each as it ends, and drains the engine. With a [preview], the first engine that has points to run
+is first asked the preview's chat question, and the answer is printed as it streams. Points the engine already refused with
 CONTEXT_LENGTH_EXCEEDED (same max_new_tokens, a smaller or equal context) are recorded skipped
 without sending. A stop request (SIGTERM) lets the current point finish, then drains and returns.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import sys
 import time
 import uuid
 from contextlib import AsyncExitStack
@@ -27,7 +29,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from bench_client import records
-from bench_client.config import SweepConfig
+from bench_client.chat import Question, ask
+from bench_client.config import PreviewConfig, SweepConfig
 from bench_client.engine_process import EngineExit, EngineStartError, ManagedEngine, engine_configurations
 from bench_client.point import PointRunner, PointSkipped, PointSpec, RequestOutcome, SweepStopped
 from bench_client.progress import SweepProgress
@@ -100,6 +103,7 @@ class SweepRunner:
         self.run_id = uuid.uuid4().hex[:8]
         self._stop_requested = False
         self._recorded = 0
+        self._previewed = False
         # engine key -> max_new_tokens -> the smallest context the engine refused
         self._known_skips: dict[str, dict[int, _KnownSkip]] = {}
         for record in results.records:
@@ -172,6 +176,9 @@ class SweepRunner:
                 stack.push_async_callback(client.close)
                 health = managed
             server_info = await self._server_info(client, health)
+            if self.config.preview is not None and not self._previewed:
+                self._previewed = True
+                await self._preview(client, server_info, self.config.preview)
             runner = PointRunner(client, server_info, self.config.workload, self.config.policy, health,
                                  _Observer(self.progress, self.results, engine, self.run_id), self.run_id)
             for spec in todo:
@@ -190,6 +197,22 @@ class SweepRunner:
             raise SweepStopped(f"the engine at {client.target} was not SERVING within "
                                f"policy.health_wait_s={self.config.policy.health_wait_s:g} s")
         return await client.server_info()
+
+    async def _preview(self, client: EngineClient, server_info: ServerInfo, preview: PreviewConfig) -> None:
+        """Ask the preview question and print the answer as it streams. A refusal (a model without
+        a chat template) or a failure is logged and the sweep goes on: no point depends on it."""
+        question = Question(preview.question, system=preview.system, max_new_tokens=preview.max_new_tokens,
+                            seed=self.config.workload.seed)
+        print(f"Question to {server_info.model} ({server_info.dtype}): {preview.question}\nAnswer: ", end="",
+              flush=True)
+        try:
+            answer = await ask(client, question, timeout=self.config.policy.request_timeout_s, out=sys.stdout)
+        except EngineError as err:
+            print(f"(none: {status_code_of(err).name} {err.reason}: {err.message})\n", flush=True)
+            log.warning("preview_failed", code=status_code_of(err).name, reason=err.reason, message=err.message)
+            return
+        print("\n", flush=True)
+        log.info("preview_answered", finish_reason=answer.finish_reason, completion_tokens=answer.completion_tokens)
 
     async def _run_point(self, runner: PointRunner, spec: PointSpec, engine: dict[str, Any] | None, target: str,
                          server_info: ServerInfo) -> None:

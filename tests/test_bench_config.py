@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from bench_client.__main__ import main, sweep_main
-from bench_client.config import ConfigError, load_config, parse_config
+from bench_client.config import ConfigError, PreviewConfig, load_config, parse_config
 from bench_client.engine_process import build_command, engine_configurations
 
 DEMO = Path(__file__).resolve().parent.parent / "bench_client" / "demo.toml"
@@ -31,6 +31,7 @@ def test_demo_config_loads_with_a_skipped_context() -> None:
     max_context = int(command.split("--max-context")[1].split()[0])
     assert max(config.workload.context_tokens) > max_context  # the demo shows a skip
     assert config.workload.ignore_eos
+    assert config.preview is not None and config.preview.question  # and a real answer first
 
 
 def test_defaults_and_inf_rate() -> None:
@@ -232,3 +233,23 @@ def test_cli_exits_2_on_a_missing_certificate_before_any_request(tmp_path: Path,
     assert f"tls.ca_file 'nowhere/ca.pem' is not a readable file (looked for '{tmp_path}/nowhere/ca.pem')" in \
         capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # stopped before the results directory, and before any request
+
+
+def test_the_preview_table() -> None:
+    assert parse_config(base()).preview is None
+    config = parse_config(base(preview={"question": "Why?", "system": "Be brief.", "max_new_tokens": 8}))
+    assert config.preview == PreviewConfig(question="Why?", system="Be brief.", max_new_tokens=8)
+    assert parse_config(base(preview={"question": "Why?"})).preview == PreviewConfig(question="Why?")
+
+
+@pytest.mark.parametrize(("preview", "message"), [
+    ({}, "preview.question is required in [preview], got nothing"),
+    ({"question": ""}, "preview.question must be a non-empty string, got ''"),
+    ({"question": "Why?", "system": 3}, "preview.system must be a string, got 3"),
+    ({"question": "Why?", "max_new_tokens": 0}, "preview.max_new_tokens must be >= 1, got 0"),
+    ({"question": "Why?", "temperature": 1.0}, "unknown key preview.temperature (value 1.0)"),
+    ("Why?", "[preview] must be a table, got 'Why?'"),
+])
+def test_preview_errors_are_named(preview: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(base(preview=preview))
