@@ -239,3 +239,31 @@ def test_every_end_token_the_metadata_names_ends_generation(tmp_path: Path) -> N
         assert responses[-1].finish_reason == pb.FINISH_REASON_EOS
         request.ignore_eos = True
         assert [t for r in stub.Decode(request, timeout=60) for t in r.token_ids] == free_run
+
+
+def test_linear_rope_scaling_from_metadata_matches_the_same_model_in_transformers(tmp_path: Path) -> None:
+    """transformers' GGUF loading ignores `rope.scaling.*`, so the reference is the Hugging Face
+    checkpoint the file was written from, which carries the same linear scaling in config.json."""
+    from tests.checkpoints import hf_model
+
+    directory = make_checkpoint(tmp_path, "llama", False, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    path = write_gguf(directory, tmp_path / "linear.gguf", GGMLQuantizationType.F32,
+                      metadata={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0})
+    ours = load_model(str(path), CPU, torch.float32)
+    assert ours.config.rope_scaling_dict == {"rope_type": "linear", "factor": 4.0}
+    hf = hf_model(directory)
+    prompt = hf_gguf_tokenizer(path)(PROMPTS[2])["input_ids"]
+    diff = (_logits(ours, prompt) - _hf_logits(hf, prompt)).abs().max().item()
+    assert diff < LOGIT_TOLERANCE, diff
+    unscaled = load_model(str(write_gguf(directory, tmp_path / "plain.gguf", GGMLQuantizationType.F32)), CPU,
+                          torch.float32)
+    assert (_logits(unscaled, prompt) - _hf_logits(hf, prompt)).abs().max().item() > 100 * LOGIT_TOLERANCE
+
+
+def test_yarn_rope_scaling_is_refused_by_name(tmp_path: Path) -> None:
+    from engine_service.model.errors import CheckpointError
+
+    path = write_gguf(make_checkpoint(tmp_path, "llama", True), tmp_path / "yarn.gguf", GGMLQuantizationType.F16,
+                      metadata={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0})
+    with pytest.raises(CheckpointError, match=r"'llama\.rope\.scaling\.type' must be one of none, linear, got 'yarn'"):
+        load_model(str(path), CPU, torch.float32)
