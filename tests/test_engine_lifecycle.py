@@ -50,6 +50,19 @@ def test_sequence_error_aborts_one_request_and_the_others_are_untouched(start_en
     assert tokens_of(decode(faulty.stub(), prompt_text=PROMPTS[0], max_new_tokens=30, ignore_eos=True)) == expected[0]
 
 
+def test_an_aborted_sequence_frees_its_row_at_once(start_engine):
+    """Aborted at step 3 of a 4000-token generation (seconds of decoding left): its row and KV are
+    free by the time the caller reads the abort, not when the generation would have ended."""
+    proc = start_engine("--model", "tiny", "--max-context", "4096", "--max-new-tokens", "4000",
+                        "--fault", "sequence-error:step=3")
+    stub = proc.stub()
+    got = expect_error(decode, stub, request_id="aborted", prompt_text="x", max_new_tokens=4000, ignore_eos=True)
+    assert got["code"] == grpc.StatusCode.ABORTED and got["info"].metadata["generatedTokens"] == "2"
+    load = proc.wait_load(lambda x: x.running_sequences == 0, timeout=0.5)
+    assert (load.running_sequences, load.kv_cache_used_tokens) == (0, 0)
+    assert tokens_of(decode(stub, prompt_text="next", max_new_tokens=5, ignore_eos=True))
+
+
 def test_sequence_error_rate_dooms_exactly_the_predicted_requests(start_engine):
     from engine_service.faults import FaultPlan
 
@@ -119,8 +132,11 @@ def test_drain_past_grace_cuts_streams_with_engine_draining_and_exits_zero(start
     call = stub.Decode(pb.DecodeRequest(prompt_text="too long", max_new_tokens=8000, ignore_eos=True))
     next(call)
     proc.signal(signal.SIGTERM)
+    signalled = time.monotonic()
     got = expect_error(lambda: list(call))
+    cut_after = time.monotonic() - signalled
     assert got["code"] == grpc.StatusCode.UNAVAILABLE and got["info"].reason == "ENGINE_DRAINING"
+    assert cut_after < 0.5 + 1.0, f"cut {cut_after:.1f} s after SIGTERM, with a grace period of 0.5 s"
     assert proc.wait(timeout=15) == 0
 
 

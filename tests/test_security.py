@@ -93,12 +93,17 @@ def test_stalled_reader_is_aborted_and_its_kv_freed(start_engine):
     channel = grpc.insecure_channel(proc.address, options=[("grpc.http2.bdp_probe", 0)])
     call = engine_pb2_grpc.EngineServiceStub(channel).Decode(
         pb.DecodeRequest(request_id="stalls", prompt_text="x", max_new_tokens=16000, ignore_eos=True))
-    next(call)  # then stop reading
-    load = proc.wait_load(lambda x: x.running_sequences == 0, timeout=40)
-    assert (load.running_sequences, load.kv_cache_used_tokens) == (0, 0)
-    assert proc.wait_events("reader_stalled", "stalls")
+    started = time.monotonic()
+    next(call)  # then stop reading: once gRPC's flow-control window is full, the stream stalls
+    assert proc.wait_events("reader_stalled", "stalls", timeout=40)
+    stalled_after = time.monotonic() - started
+    # freed within a step or two of the abort, while the generation is still far from its end
+    load = proc.wait_load(lambda x: x.running_sequences == 0, timeout=1.0)
+    assert (load.running_sequences, load.kv_cache_used_tokens) == (0, 0), f"still running after the stall {stalled_after:.1f} s in"
     got = expect_error(lambda: list(call))
     assert got["code"] == grpc.StatusCode.ABORTED and got["info"].reason == "SEQUENCE_ABORTED"
     assert "reader stalled" in got["info"].metadata["cause"]
+    end = proc.wait_events("request_finished", "stalls")[0]
+    assert end["output_tokens"] < 12000, end  # about 6000 fill the flow-control window here
     # the engine serves others normally afterwards
     assert ok(proc.stub())

@@ -1,0 +1,99 @@
+"""Continuous batching changes no greedy result, through a fixed interleaving: the real tiny model
+and KV cache driven step by step by the DecodeLoop, with sequences finishing at known steps so
+that rows move (`KVCache.move_row`) while others decode, and new prompts prefill into the freed
+rows behind them. Each sequence's tokens and logits must equal those of the same request run
+alone. (The over-gRPC `test_batching_does_not_change_greedy_results` proves the wiring, but
+whether a row moves there depends on the timing of the calls.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_service.faults import FaultInjector, FaultPlan
+from engine_service.loop import DecodeLoop, Emission
+from engine_service.model.loader import load_model
+from engine_service.model_runner import ModelRunner
+from engine_service.requests import Request, SamplingParams
+from engine_service.scheduler import Scheduler
+from engine_service.sequence import Sequence
+
+CPU = torch.device("cpu")
+MAX_BATCH = 4
+# (prompt, max_new_tokens), submitted in this order into 4 rows: r0 ends at step 4 and r3 moves into
+# its row, r4 prefills behind the three old rows; r2 ends at step 10 and r4 moves into its row, r5
+# prefills; and so on: five moves in all, each of a row that goes on decoding (the test checks them).
+REQUESTS = [
+    ("The first prompt", 4), ("a second, longer prompt for row one", 30), ("third", 10), ("4", 30),
+    ("queued fifth prompt", 12), ("sixth", 30), ("seventh one waits the longest", 20),
+]
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    loaded = load_model("tiny", CPU, torch.float32)
+    return ModelRunner(loaded.model, MAX_BATCH, 128, CPU, torch.float32)
+
+
+class Recorder:
+    """Wraps the runner: the logits each sequence got at each of its steps, and the row moves."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.device = runner.device
+        self.cache = self  # the loop calls cache.move_row
+        self.logits: dict[str, list[torch.Tensor]] = {}
+        self.moves: list[tuple[int, int, int]] = []
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        self.moves.append((src, dst, length))
+        self.runner.cache.move_row(src, dst, length)
+
+    def forward(self, running: list[Sequence], n_old: int) -> torch.Tensor:
+        logits = self.runner.forward(running, n_old)
+        for row, seq in enumerate(running):
+            self.logits.setdefault(seq.request_id, []).append(logits[row].clone())
+        return logits
+
+
+def run(runner: ModelRunner, requests: list[tuple[str, str, int]], max_batch: int) -> tuple[dict[str, list[int]],
+                                                                                           Recorder]:
+    """Submit every request at once and step until all are done; tokens by request id."""
+    recorder = Recorder(runner)
+    scheduler = Scheduler(max_batch=max_batch, max_context=128, queue_capacity=16, queue_retry_seconds=0.5,
+                          prefill_token_budget=4096)
+    delivered: list[Emission] = []
+
+    def fatal(exc: BaseException) -> None:
+        raise AssertionError(f"on_fatal: {exc!r}")
+
+    loop = DecodeLoop(recorder, scheduler, FaultInjector(FaultPlan()), frozenset(), delivered.extend,  # type: ignore[arg-type]
+                      fatal)
+    seqs = []
+    for request_id, prompt, max_new in requests:
+        request = Request(request_id=request_id, prompt_ids=tuple(prompt.encode()), max_new_tokens=max_new,
+                          sampling=SamplingParams(), stop_token_ids=frozenset(), ignore_eos=True, deadline=None)
+        seqs.append(Sequence(request, sink=None))
+        scheduler.submit(seqs[-1])
+    while scheduler.running or scheduler.waiting_count():
+        loop.step()
+    assert all(e.error is None for e in delivered)
+    return {s.request_id: s.generated for s in seqs}, recorder
+
+
+def test_rows_moved_in_the_kv_cache_decode_exactly_as_if_alone(runner: ModelRunner) -> None:
+    requests = [(f"r{i}", prompt, max_new) for i, (prompt, max_new) in enumerate(REQUESTS)]
+    alone: dict[str, list[int]] = {}
+    alone_logits: dict[str, list[torch.Tensor]] = {}
+    for request in requests:
+        tokens, recorder = run(runner, [request], max_batch=MAX_BATCH)
+        alone.update(tokens)
+        alone_logits.update(recorder.logits)
+    together, recorder = run(runner, requests, max_batch=MAX_BATCH)
+    # the interleaving is fixed: these moves happen on every run
+    assert recorder.moves == [(3, 0, 4), (3, 2, 24), (3, 2, 10), (3, 1, 42), (2, 0, 24)]
+    for request_id, _, max_new in requests:
+        assert len(together[request_id]) == max_new
+        assert together[request_id] == alone[request_id], f"{request_id}: batched tokens differ from alone"
+        for step, (got, want) in enumerate(zip(recorder.logits[request_id], alone_logits[request_id], strict=True)):
+            assert torch.allclose(got, want, atol=1e-4), f"{request_id} step {step}: max diff {(got - want).abs().max()}"
