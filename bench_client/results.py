@@ -90,7 +90,7 @@ def rate_to_json(rate: float) -> float | str:
 
 
 def rate_from_json(value: float | str) -> float:
-    return math.inf if value == "inf" else float(value)
+    return float(value)  # rate_to_json's "inf" reads back as math.inf
 
 
 class ResultsDir:

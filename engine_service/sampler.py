@@ -37,7 +37,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
     if p.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        beyond = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix reaching top_p
+        beyond = probs.cumsum(-1) - probs >= p.top_p  # keep the smallest prefix reaching top_p (as HF does)
         logits = logits.scatter(0, order, sorted_logits.masked_fill(beyond, float("-inf")))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[0]

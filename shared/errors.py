@@ -49,7 +49,10 @@ class EngineError(Exception):
 
 
 def _rebuild(cls, message, metadata, retry_delay, field):  # type: ignore[no-untyped-def]
-    return cls(message, metadata=metadata, retry_delay=retry_delay, field=field)
+    """An instance of `cls` with these attributes, past its own __init__ (InvalidField's takes others)."""
+    err = EngineError.__new__(cls)
+    EngineError.__init__(err, message, metadata=metadata, retry_delay=retry_delay, field=field)
+    return err
 
 
 class InvalidRequest(EngineError):
@@ -270,8 +273,7 @@ def from_rpc_error(err: grpc.RpcError) -> EngineError:
     else:
         cls = _BY_CODE_WITHOUT_DETAILS.get(code, TransportError)
         metadata = {}
-    result = EngineError.__new__(cls)
-    EngineError.__init__(result, message, metadata=metadata, retry_delay=retry_delay, field=field)
+    result = _rebuild(cls, message, metadata, retry_delay, field)
     result.status_code = code  # the code actually received (TransportError may carry any)
     return result
 

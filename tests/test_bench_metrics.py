@@ -56,7 +56,7 @@ def test_percentile_matches_numpy_linear() -> None:
     values = sorted([5.0, 1.0, 9.0, 3.0, 7.5, 2.25, 8.0])
     for q in (0, 10, 50, 90, 99, 100):
         assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="^percentile of no values is undefined, got an empty sequence$"):
         percentile([], 50)
     with pytest.raises(ValueError, match="101"):
         percentile([1.0], 101)
@@ -67,6 +67,7 @@ def test_summary_in_milliseconds_and_empty() -> None:
     assert s.mean == pytest.approx(2.5)
     assert s.median == pytest.approx(2.5)
     assert s.p90 == pytest.approx(float(np.percentile([1, 2, 3, 4], 90)))
+    assert s.p99 == pytest.approx(float(np.percentile([1, 2, 3, 4], 99)))  # 3.97, not the maximum
     assert Summary.of([]) == Summary(None, None, None, None)
 
 
@@ -74,7 +75,7 @@ def test_point_metrics_over_two_requests() -> None:
     a = timeline(0.0, (0.1, 1), (0.2, 1), (0.3, 1), prompt=100, engine_queue_s=0.01, engine_ttft_s=0.05)
     b = timeline(0.5, (0.7, 2), (1.0, 2), prompt=50, engine_queue_s=0.03, engine_ttft_s=0.15)
     m = compute([a, b], duration_s=2.0)
-    assert m.completed == 2
+    assert (m.completed, m.duration_s) == (2, 2.0)
     assert m.total_input_tokens == 150 and m.total_output_tokens == 7
     assert m.request_throughput == pytest.approx(1.0)
     assert m.output_throughput == pytest.approx(3.5)
@@ -109,3 +110,22 @@ def test_itl_gaps_sum_to_e2el_minus_ttft(messages: list[tuple[float, int]]) -> N
     assert math.isclose(sum(gaps), t.e2el - t.ttft, rel_tol=1e-9, abs_tol=1e-12)
     if t.tpot is not None:
         assert math.isclose(sum(gaps) / len(gaps), t.tpot, rel_tol=1e-9)
+
+
+def test_throughput_over_short_and_zero_durations() -> None:
+    one = [timeline(0.0, (0.1, 1), (0.2, 1), prompt=3)]
+    half = compute(one, duration_s=0.5)
+    assert (half.request_throughput, half.output_throughput, half.total_token_throughput) == pytest.approx(
+        (2.0, 4.0, 10.0))
+    # a point that took no measurable time has no throughput rather than a division by zero
+    zero = compute(one, duration_s=0.0)
+    assert (zero.request_throughput, zero.output_throughput, zero.total_token_throughput) == (0.0, 0.0, 0.0)
+    assert zero.completed == 1
+
+
+def test_as_dict_is_plain_nested_data() -> None:
+    m = compute([timeline(0.0, (0.1, 1), (0.3, 1))], duration_s=1.0).as_dict()
+    assert m["completed"] == 1 and m["duration_s"] == 1.0
+    assert m["ttft_ms"] == {"mean": pytest.approx(100.0), "median": pytest.approx(100.0), "p90": pytest.approx(100.0),
+                            "p99": pytest.approx(100.0)}
+    assert m["engine_queue_ms"] == {"mean": None, "median": None, "p90": None, "p99": None}

@@ -71,3 +71,25 @@ def test_backoff_honours_retry_info_and_is_bounded() -> None:
     grows = [backoff_delay(a, server_delay=None, initial=0.1, maximum=10.0, rng=random.Random(1)) for a in (1, 2, 3)]
     assert grows[0] < grows[1] < grows[2]
     assert backoff_delay(20, server_delay=None, initial=0.1, maximum=1.0, rng=rng) <= 1.5
+
+
+class FixedRandom(random.Random):
+    """A jitter source that always draws `value`, so a delay can be checked exactly."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__(0)
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
+
+
+def test_backoff_doubles_from_initial_and_jitters_up_to_half() -> None:
+    def delay(attempt: int, draw: float, server_delay: float | None = None, maximum: float = 10.0) -> float:
+        return backoff_delay(attempt, server_delay=server_delay, initial=0.1, maximum=maximum, rng=FixedRandom(draw))
+
+    assert [delay(a, 0.0) for a in (1, 2, 3, 4)] == pytest.approx([0.1, 0.2, 0.4, 0.8])
+    assert delay(3, 1.0) == pytest.approx(0.6)  # +50% at most
+    assert delay(10, 0.0, maximum=1.0) == pytest.approx(1.0)
+    assert delay(1, 0.0, server_delay=0.5) == pytest.approx(0.5)
+    assert delay(4, 0.0, server_delay=0.5) == pytest.approx(0.8)  # the server's delay is a floor, not a value

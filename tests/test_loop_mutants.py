@@ -1,0 +1,241 @@
+"""The decode loop's thread, in-process: how it idles, how it stops, and its fatal path (an error it
+does not understand is logged as engine_fatal, handed to on_fatal, and the process exits 70 from a
+watchdog if nothing else ends it). The step-by-step policy is in test_loop_unit.py; these cover the
+thread around it (found by `make mutate`, docs/mutation-testing.md)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from engine_service import loop as loop_module
+from engine_service.faults import FaultInjector, FaultPlan
+from engine_service.loop import FATAL_EXIT_CODE, DecodeLoop, Emission, set_threads
+from engine_service.requests import Request, SamplingParams
+from engine_service.scheduler import Scheduler
+from engine_service.sequence import FinishReason, Sequence
+from shared.errors import DeadlineExceeded, SequenceError
+
+WAIT = 5.0  # seconds a test waits for a thread before it fails (passing runs take milliseconds)
+
+
+class OneHotRunner:
+    """Logits that always pick token 1; a cache that only counts row moves."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.cache = self
+        self.forwards = 0
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        del src, dst, length
+
+    def forward(self, running: list[Sequence], n_old: int) -> torch.Tensor:
+        del n_old
+        self.forwards += 1
+        logits = torch.zeros(len(running), 8)
+        logits[:, 1] = 1.0
+        return logits
+
+
+class ExtraRowRunner(OneHotRunner):
+    """A runner with a shape bug: one row of logits more than sequences running."""
+
+    def forward(self, running: list[Sequence], n_old: int) -> torch.Tensor:
+        return torch.zeros(len(running) + 1, 8)
+
+
+def request(request_id: str, max_new: int = 3, deadline: float | None = None, sampling: SamplingParams | None = None,
+            stop: frozenset[int] = frozenset(), ignore_eos: bool = True) -> Request:
+    return Request(request_id=request_id, prompt_ids=(2, 3), max_new_tokens=max_new,
+                   sampling=sampling or SamplingParams(), stop_token_ids=stop, ignore_eos=ignore_eos,
+                   deadline=deadline)
+
+
+def scheduler() -> Scheduler:
+    return Scheduler(max_batch=4, max_context=16, queue_capacity=4, queue_retry_seconds=0.5, prefill_token_budget=64)
+
+
+class Harness:
+    """A DecodeLoop stepped by the test itself (no thread)."""
+
+    def __init__(self, faults: FaultPlan | None = None, end: frozenset[int] = frozenset(),
+                 runner: OneHotRunner | None = None) -> None:
+        self.sched = scheduler()
+        self.delivered: list[list[Emission]] = []
+        self.loop = DecodeLoop(runner or OneHotRunner(), self.sched, FaultInjector(faults or FaultPlan()),  # type: ignore[arg-type]
+                               end, self.delivered.append, on_fatal=lambda exc: pytest.fail(f"on_fatal: {exc!r}"))
+
+    def submit(self, *requests: Request, trace: dict[str, str] | None = None) -> list[Sequence]:
+        seqs = [Sequence(r, sink=None, trace=dict(trace or {})) for r in requests]
+        for seq in seqs:
+            self.sched.submit(seq)
+        return seqs
+
+    def step(self) -> tuple[float, dict[str, Emission], float]:
+        """(time before, this step's emissions by request id, time after)."""
+        before = time.monotonic()
+        self.loop.step()
+        return before, {e.seq.request_id: e for e in self.delivered[-1]}, time.monotonic()
+
+
+class Recorder:
+    """Stands in for the module's structlog logger: (level, event, fields) of each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, dict[str, Any]]] = []
+
+    def __getattr__(self, level: str):  # type: ignore[no-untyped-def]
+        return lambda event, **fields: self.calls.append((level, event, fields))
+
+
+def test_the_loop_thread_serves_then_stops_when_asked() -> None:
+    delivered: queue.Queue[list[Emission]] = queue.Queue()
+    sched = scheduler()
+    loop = DecodeLoop(OneHotRunner(), sched, FaultInjector(FaultPlan()), frozenset(), delivered.put,  # type: ignore[arg-type]
+                      on_fatal=lambda exc: pytest.fail(f"on_fatal: {exc!r}"))
+    loop.start()
+    assert loop._thread.name == "decode-loop" and loop._thread.daemon  # as thread dumps name it; never blocks exit
+    seq = Sequence(request("a"), sink=None)
+    sched.submit(seq)
+    tokens = []
+    while len(tokens) < 3:
+        tokens += [t for e in delivered.get(timeout=WAIT) for t in e.tokens]
+    assert tokens == [1, 1, 1] and seq.generated == [1, 1, 1]
+    loop.stop()
+    assert not loop._thread.is_alive()
+
+
+def test_stop_waits_a_bounded_time_for_a_stuck_step() -> None:
+    joined: list[float | None] = []
+    loop = DecodeLoop(OneHotRunner(), scheduler(), FaultInjector(FaultPlan()), frozenset(), lambda out: None,  # type: ignore[arg-type]
+                      on_fatal=lambda exc: None)
+    loop._thread = type("StuckThread", (), {"join": lambda self, timeout=None: joined.append(timeout)})()
+    loop.stop()
+    assert joined == [5.0]  # never join(None): a stuck forward must not hang the shutdown
+    assert loop.scheduler.wait_for_work() is False
+
+
+def test_an_error_the_loop_does_not_understand_is_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    exits: queue.Queue[int] = queue.Queue()
+    fatal: queue.Queue[BaseException] = queue.Queue()
+    timers: list[threading.Timer] = []
+
+    class RecordingTimer(threading.Timer):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            timers.append(self)
+
+    log = Recorder()
+    monkeypatch.setattr(threading, "Timer", RecordingTimer)
+    monkeypatch.setattr(os, "_exit", exits.put)
+    monkeypatch.setattr(loop_module, "FATAL_EXIT_AFTER_SECONDS", 0.05)
+    monkeypatch.setattr(loop_module, "log", log)
+    sched = scheduler()
+    loop = DecodeLoop(OneHotRunner(), sched, FaultInjector(FaultPlan(crash_step=2)), frozenset(),  # type: ignore[arg-type]
+                      lambda out: None, on_fatal=fatal.put)
+    sched.submit(Sequence(request("a", max_new=5), sink=None))
+    try:
+        loop.start()
+        exc = fatal.get(timeout=WAIT)
+        code = exits.get(timeout=WAIT)
+    finally:
+        for timer in timers:
+            timer.cancel()
+        loop.stop(timeout=WAIT)
+    assert isinstance(exc, RuntimeError) and str(exc) == "injected crash at decode step 2 (--fault crash:step=2)"
+    assert code == FATAL_EXIT_CODE == 70
+    (timer,) = [t for t in timers if t.function == exits.put]  # the watchdog
+    assert timer.daemon is True and timer.interval == 0.05
+    assert log.calls == [("critical", "engine_fatal", {"error_type": "RuntimeError", "step": 2, "exc_info": exc})]
+    assert not loop._thread.is_alive(), "no retry: the loop thread ends"
+
+
+def test_a_dropped_sequence_is_stamped_with_the_step_time() -> None:
+    h = Harness()
+    running, = h.submit(request("running", max_new=5))
+    h.step()
+    expired, cancelled = h.submit(request("late", deadline=time.monotonic() - 1.0), request("gone"))
+    cancelled.cancelled = True
+    running.cancelled = True
+    before, out, after = h.step()
+    assert isinstance(out["late"].error, DeadlineExceeded) and out["gone"].error is None
+    assert out["running"].error is None and h.sched.running == []
+    assert all(before <= out[r].at <= after and out[r].tokens == () for r in ("late", "gone", "running"))
+
+
+def test_each_step_stamps_prefill_first_and_last_token_times() -> None:
+    h = Harness()
+    seq, = h.submit(request("a"))
+    before, out, after = h.step()
+    first = out["a"].at
+    assert before <= seq.timings.prefill_started <= first <= after
+    assert seq.timings.first_token == seq.timings.last_token == first
+    before, out, after = h.step()
+    assert before <= out["a"].at <= after
+    assert (seq.timings.first_token, seq.timings.last_token) == (first, out["a"].at)
+
+
+def test_a_sampled_sequence_gets_its_own_seeded_generator_when_admitted() -> None:
+    h = Harness()
+    sampled, greedy = h.submit(request("s", sampling=SamplingParams(temperature=1.0, seed=7)), request("g"))
+    assert sampled.generator is None
+    h.step()
+    assert isinstance(sampled.generator, torch.Generator) and sampled.generator.initial_seed() == 7
+    assert greedy.generator is None
+
+
+def test_stop_and_end_tokens_finish_a_sequence() -> None:
+    h = Harness(end=frozenset({1}))  # the runner always produces token 1
+    h.submit(request("stop", max_new=5, stop=frozenset({1})), request("eos", max_new=5, ignore_eos=False),
+             request("ignores", max_new=5))
+    _, out, _ = h.step()
+    assert {r: e.finish for r, e in out.items()} == {"stop": FinishReason.STOP, "eos": FinishReason.EOS,
+                                                     "ignores": None}
+
+
+def test_a_runner_shape_bug_is_not_spread_over_the_wrong_rows() -> None:
+    h = Harness(runner=ExtraRowRunner())
+    h.submit(request("a"))
+    with pytest.raises(ValueError, match="zip"):  # the loop's caller turns this into engine_fatal
+        h.step()
+
+
+def test_an_aborted_sequence_is_logged_with_its_trace_and_answered_at_the_step_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    log = Recorder()
+    monkeypatch.setattr(loop_module, "log", log)
+    h = Harness(FaultPlan(sequence_error_steps=frozenset({1})))
+    h.submit(request("a"), trace={"trace_id": "t1", "span_id": "s1"})
+    before, out, after = h.step()
+    assert isinstance(out["a"].error, SequenceError) and before <= out["a"].at <= after
+    assert log.calls == [("warning", "sequence_aborted", {
+        "request_id": "a", "trace_id": "t1", "span_id": "s1", "reason": "SEQUENCE_ABORTED",
+        "cause": "injected sequence error at decode step 1"})]
+
+
+def test_a_rate_doomed_request_fails_once_it_has_one_token() -> None:
+    h = Harness(FaultPlan(sequence_error_rate=1.0))  # dooms every request
+    h.submit(request("a", max_new=5))
+    _, out, _ = h.step()
+    assert out["a"].tokens == (1,) and out["a"].error is None
+    _, out, _ = h.step()
+    err = out["a"].error
+    assert isinstance(err, SequenceError) and err.metadata["generatedTokens"] == "1"
+
+
+def test_set_threads_sets_torch_threads_unless_zero() -> None:
+    before = torch.get_num_threads()
+    try:
+        set_threads(0)
+        assert torch.get_num_threads() == before
+        set_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
