@@ -30,6 +30,7 @@ serve: setup
 
 # make chat Q="..." [TARGET=host:port]: the answer streamed from TARGET, or from a managed engine (smollm2).
 chat: setup
+	$(if $(Q),,$(error Q is empty: give the question, as in make chat Q="What is the capital of France?"))
 	$(BIN)/python -m bench_client chat "$(Q)" $(if $(TARGET),--target $(TARGET))
 
 lint: setup

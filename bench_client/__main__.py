@@ -168,7 +168,6 @@ def run_chat(args: argparse.Namespace) -> int:
         return EXIT_STOPPED
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
-    print()
     if answer.finish_reason == "LENGTH":
         print(f"(the answer stopped at --max-new-tokens {args.max_new_tokens})", file=sys.stderr)
     return EXIT_OK

@@ -45,8 +45,9 @@ class Answer:
 
 
 async def ask(client: EngineClient, question: Question, *, timeout: float, out: TextIO) -> Answer:
-    """Send the question, write the answer's text to `out` as it streams in, and return it; a
-    failed call raises its EngineError (shared.errors), with the server's reason and message."""
+    """Send the question, write the answer's text to `out` as it streams in (then a newline), and
+    return it; a failed call raises its EngineError (shared.errors), with the server's reason and
+    message."""
     spec = ChatSpec(request_id=f"chat-{uuid.uuid4().hex[:12]}", messages=question.messages(),
                     max_new_tokens=question.max_new_tokens, temperature=question.temperature, seed=question.seed)
     pieces: list[str] = []
@@ -58,6 +59,8 @@ async def ask(client: EngineClient, question: Question, *, timeout: float, out: 
             pieces.append(chunk.text)
         tokens += chunk.num_tokens
         finish_reason = chunk.finish_reason or finish_reason
+    out.write("\n")  # the answer's line ends now, before a managed engine's drain logs anything
+    out.flush()
     return Answer("".join(pieces), finish_reason, tokens)
 
 

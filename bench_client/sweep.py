@@ -211,7 +211,7 @@ class SweepRunner:
             print(f"(none: {status_code_of(err).name} {err.reason}: {err.message})\n", flush=True)
             log.warning("preview_failed", code=status_code_of(err).name, reason=err.reason, message=err.message)
             return
-        print("\n", flush=True)
+        print(flush=True)  # a blank line between the answer and the sweep
         log.info("preview_answered", finish_reason=answer.finish_reason, completion_tokens=answer.completion_tokens)
 
     async def _run_point(self, runner: PointRunner, spec: PointSpec, engine: dict[str, Any] | None, target: str,
