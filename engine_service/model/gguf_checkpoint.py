@@ -143,7 +143,7 @@ def _locate(gguf: GGUFFile, model: LlamaForCausalLM, config: ModelConfig) -> dic
         ours = model_name(gguf_name)
         if ours is None:
             raise CheckpointError(
-                f"GGUF file {str(gguf.path)!r} holds tensor {gguf_name!r}, which the {config.extra[0][1]} "
+                f"GGUF file {str(gguf.path)!r} holds tensor {gguf_name!r}, which the {dict(config.extra)['architecture']} "
                 f"architecture does not use"
             )
         found[ours] = gguf_name
