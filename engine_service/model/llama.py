@@ -22,12 +22,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.shape = (dim,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # normalised in float32 and scaled in the model's dtype, as Hugging Face does
+        return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -57,13 +56,38 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     raise ValueError(f"rope_scaling type must be one of default, linear, llama3, got {kind!r}")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's `x * cos + rotate_half(x) * sin` in fewer operations: rotate_half(x) is the
+    halves of x swapped with the first negated, so it equals roll(x) * [-1.., +1..], and the sign
+    lives in `signed_sin` (see `setup_rope`). Bit-identical: negation is exact."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
+class Packed(nn.Module):
+    """Several projections of one input as one matmul: their weights (and biases) concatenated by
+    output row. The separate `nn.Linear` modules keep their names for checkpoints and state dicts;
+    `pack` turns their parameters into views of the packed tensors, so memory is not doubled."""
+
+    def __init__(self, *parts: nn.Linear) -> None:
+        super().__init__()
+        self._parts = parts  # a plain tuple: not registered twice as submodules
+        self.sizes = [p.out_features for p in parts]
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        with torch.no_grad():
+            self.weight = torch.cat([p.weight for p in self._parts])
+            starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+            for part, start, size in zip(self._parts, starts, self.sizes, strict=True):
+                part.weight = nn.Parameter(self.weight[start:start + size], requires_grad=False)
+            if self._parts[0].bias is not None:
+                self.bias = torch.cat([p.bias for p in self._parts])  # type: ignore[misc]
+                for part, start, size in zip(self._parts, starts, self.sizes, strict=True):
+                    part.bias = nn.Parameter(self.bias[start:start + size], requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
 
 
 class KVCache(nn.Module):
@@ -105,14 +129,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
+        self.qkv = Packed(self.q_proj, self.k_proj, self.v_proj)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[no-untyped-def]
+        """cos/sin (B, T, 1, D). Rotary is applied to q and k together, as one tensor."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        h, kv = self.heads, self.kv_heads
+        qkv = self.qkv(x).view(b, t, h + 2 * kv, self.head_dim)
+        qk = apply_rope(qkv[:, :, :h + kv], cos, sin)  # (B, T, H + KV, D)
+        q = qk[:, :, :h].transpose(1, 2)  # (B, H, T, D)
+        k = qk[:, :, h:].transpose(1, 2)  # (B, KV, T, D)
+        return q, k, qkv[:, :, h + kv:].transpose(1, 2)
 
     def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 cache: KVCache, first_row: int) -> torch.Tensor:
@@ -143,9 +170,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up = Packed(self.gate_proj, self.up_proj)
+        self.size = config.intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up(x)
+        return self.down_proj(F.silu(gate_up[..., :self.size]) * gate_up[..., self.size:])
 
 
 class DecoderLayer(nn.Module):
@@ -177,7 +207,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def setup_rope(self, max_positions: int, device: torch.device) -> None:
-        """Precompute cos/sin tables (float32, as Hugging Face computes them) for every position.
+        """Call once the weights are in place (and again after loading others): packs the q/k/v and
+        gate/up projections (`Packed`) and precomputes the rotary cos/sin tables (float32, as
+        Hugging Face computes them) for every position.
 
         Attention here is over the full context, which equals sliding-window attention only while
         the context fits in the window, so a larger `max_positions` is refused."""
@@ -192,7 +224,12 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
         dtype = self.model.embed_tokens.weight.dtype
         self.rope_cos = emb.cos().to(dtype)
-        self.rope_sin = emb.sin().to(dtype)
+        sin = emb.sin().to(dtype)
+        half = sin.shape[-1] // 2
+        self.rope_signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # see apply_rope
+        for layer in self.model.layers:
+            layer.self_attn.qkv.pack()
+            layer.mlp.gate_up.pack()
 
     def init_random(self, seed: int) -> None:
         """Random weights from a fixed seed (normal, std 0.02, as Hugging Face initialises)."""
@@ -216,8 +253,8 @@ class LlamaForCausalLM(nn.Module):
         first_row..first_row+B-1. Returns the logits of each prompt's last token (B, V), or of
         every position (B, T, V) when `all_logits`."""
         b, t = tokens.shape
-        cos = self.rope_cos[:t].expand(b, t, -1)
-        sin = self.rope_sin[:t].expand(b, t, -1)
+        cos = self.rope_cos[:t, None].expand(b, t, 1, -1)  # (B, T, 1, D)
+        sin = self.rope_signed_sin[:t, None].expand(b, t, 1, -1)
         idx = torch.arange(t, device=tokens.device)
         # (B, 1, T, T): causal, and keys past each prompt's length hidden
         mask = (idx[None, :] <= idx[:, None])[None, None] & (idx[None, None, None, :] < lengths[:, None, None, None])
@@ -235,8 +272,8 @@ class LlamaForCausalLM(nn.Module):
         """One token for each of rows 0..B-1: `tokens` (B,) at `positions` (B,). Returns (B, V)."""
         b = tokens.shape[0]
         rows = torch.arange(b, device=tokens.device)
-        cos = self.rope_cos[positions].unsqueeze(1)  # (B, 1, D)
-        sin = self.rope_sin[positions].unsqueeze(1)
+        cos = self.rope_cos[positions].view(b, 1, 1, -1)  # (B, T=1, 1, D)
+        sin = self.rope_signed_sin[positions].view(b, 1, 1, -1)
         length = int(positions.max()) + 1
         span = torch.arange(length, device=tokens.device)
         mask = (span[None, :] <= positions[:, None]).view(b, 1, 1, length)  # True = attended
