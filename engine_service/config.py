@@ -25,6 +25,7 @@ class EngineConfig:
     stall_seconds: float = 30.0
     faults: FaultPlan = field(default_factory=FaultPlan)
     threads: int = 0
+    quantize: str = "none"  # engine_service.model.quantize.METHODS
 
     def __post_init__(self) -> None:
         _positive("max_batch", self.max_batch)
@@ -41,6 +42,10 @@ class EngineConfig:
             raise ValueError(f"queue_retry_seconds must be > 0, got {self.queue_retry_seconds}")
         if self.stall_seconds <= 0:
             raise ValueError(f"stall_seconds must be > 0, got {self.stall_seconds}")
+        if self.quantize not in QUANTIZE_METHODS:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_METHODS)}, got {self.quantize!r}")
+        if self.quantize != "none" and self.dtype == "float16":
+            raise ValueError(f"quantize {self.quantize} needs dtype float32 or bfloat16, got {self.dtype!r}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
 
@@ -75,6 +80,7 @@ class ServerConfig:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZE_METHODS = ("none", "int8")
 
 
 def _positive(name: str, value: int) -> None:

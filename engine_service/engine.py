@@ -136,7 +136,8 @@ class Engine:
         set_threads(cfg.threads)
         device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
         loaded = await asyncio.to_thread(load_model, cfg.model, device, dtype)
-        runner = await asyncio.to_thread(ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype)
+        runner = await asyncio.to_thread(ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype,
+                                         cfg.quantize)
         self.loaded = loaded
         self.limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)
         self.info = EngineInfo(
@@ -154,7 +155,7 @@ class Engine:
         self._loop_thread.start()
         self._stall_watch = asyncio.create_task(self._watch_stalls(cfg.stall_seconds))
         self.ready.set()
-        log.info("engine_ready", model=loaded.name, device=str(device), dtype=cfg.dtype,
+        log.info("engine_ready", model=loaded.name, device=str(device), dtype=cfg.dtype, quantize=cfg.quantize,
                  kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
                  tokenizer=loaded.tokenizer.kind)
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.model.config import ModelConfig
+from engine_service.model.quantize import Int8Weight
 
 
 class RMSNorm(nn.Module):
@@ -64,29 +65,41 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class Packed(nn.Module):
-    """Several projections of one input as one matmul: their weights (and biases) concatenated by
-    output row. The separate `nn.Linear` modules keep their names for checkpoints and state dicts;
-    `pack` turns their parameters into views of the packed tensors, so memory is not doubled."""
+    """One or several projections of one input as one matmul: their weights (and biases)
+    concatenated by output row. The `nn.Linear` modules keep their names for checkpoints and state
+    dicts; `pack` turns their parameters into views of the packed tensors, so memory is not doubled
+    (one part is used as it is, which keeps a tied LM head tied). `quantized`, when set
+    (quantize.py), serves calls of at most its `max_rows` rows."""
 
     def __init__(self, *parts: nn.Linear) -> None:
         super().__init__()
         self._parts = parts  # a plain tuple: not registered twice as submodules
-        self.sizes = [p.out_features for p in parts]
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+        self.quantized: Int8Weight | None = None
 
     def pack(self) -> None:
+        parts = self._parts
+        if len(parts) == 1:  # plain tensors sharing the parameters' storage (a Parameter would register here)
+            bias = parts[0].bias
+            self.weight, self.bias = parts[0].weight.detach(), None if bias is None else bias.detach()
+            return
         with torch.no_grad():
-            self.weight = torch.cat([p.weight for p in self._parts])
-            starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-            for part, start, size in zip(self._parts, starts, self.sizes, strict=True):
+            self.weight = torch.cat([p.weight for p in parts])
+            self.bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])  # type: ignore[misc]
+            start = 0
+            for part in parts:
+                size = part.out_features
                 part.weight = nn.Parameter(self.weight[start:start + size], requires_grad=False)
-            if self._parts[0].bias is not None:
-                self.bias = torch.cat([p.bias for p in self._parts])  # type: ignore[misc]
-                for part, start, size in zip(self._parts, starts, self.sizes, strict=True):
+                if self.bias is not None:
                     part.bias = nn.Parameter(self.bias[start:start + size], requires_grad=False)
+                start += size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.quantized
+        if q is not None and x.numel() <= q.max_rows * x.shape[-1]:
+            out = q.matmul(x)
+            return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
 
 
@@ -130,6 +143,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
         self.qkv = Packed(self.q_proj, self.k_proj, self.v_proj)
+        self.out = Packed(self.o_proj)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[no-untyped-def]
         """cos/sin (B, T, 1, D). Rotary is applied to q and k together, as one tensor."""
@@ -148,7 +162,7 @@ class Attention(nn.Module):
         cache.k[self.layer, first_row:first_row + b, :, :t] = k
         cache.v[self.layer, first_row:first_row + b, :, :t] = v
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        return self.out(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                rows: torch.Tensor, mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -161,7 +175,7 @@ class Attention(nn.Module):
         values = cache.v[self.layer, :b, :, :length]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=self.heads != self.kv_heads)  # (B, H, 1, D)
-        return self.o_proj(out.reshape(b, 1, self.heads * self.head_dim))
+        return self.out(out.reshape(b, 1, self.heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -171,11 +185,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gate_up = Packed(self.gate_proj, self.up_proj)
+        self.down = Packed(self.down_proj)
         self.size = config.intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
-        return self.down_proj(F.silu(gate_up[..., :self.size]) * gate_up[..., self.size:])
+        return self.down(F.silu(gate_up[..., :self.size]) * gate_up[..., self.size:])
 
 
 class DecoderLayer(nn.Module):
@@ -205,6 +220,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.head = Packed(self.lm_head)
 
     def setup_rope(self, max_positions: int, device: torch.device) -> None:
         """Call once the weights are in place (and again after loading others): packs the q/k/v and
@@ -227,9 +243,15 @@ class LlamaForCausalLM(nn.Module):
         sin = emb.sin().to(dtype)
         half = sin.shape[-1] // 2
         self.rope_signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # see apply_rope
+        for packed in self.projections():
+            packed.pack()
+
+    def projections(self) -> list[Packed]:
+        """Every matmul of a step, in order (quantize.py quantizes these)."""
+        out: list[Packed] = []
         for layer in self.model.layers:
-            layer.self_attn.qkv.pack()
-            layer.mlp.gate_up.pack()
+            out += [layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down]
+        return [*out, self.head]
 
     def init_random(self, seed: int) -> None:
         """Random weights from a fixed seed (normal, std 0.02, as Hugging Face initialises)."""
@@ -244,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
                     param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
+        return self.head(self.model.norm(hidden)).float()
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, first_row: int,
