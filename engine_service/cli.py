@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
     m.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     m.add_argument("--quantize", default="none", choices=QUANTIZE_METHODS,
-                   help="int8: weight-only int8 copies of the projections serve decode steps of up to 8 rows "
+                   help="int8: weight-only int8 copies of the projections serve decode steps of up to 4 rows "
                         "(faster batch-1 decode on a CPU; float32 or bfloat16 only; +50%% of a bfloat16 model's "
                         "weight memory)")
     s = p.add_argument_group("scheduler and limits")

@@ -293,12 +293,18 @@ class LlamaForCausalLM(nn.Module):
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token for each of rows 0..B-1: `tokens` (B,) at `positions` (B,). Returns (B, V)."""
         b = tokens.shape[0]
-        rows = torch.arange(b, device=tokens.device)
-        cos = self.rope_cos[positions].view(b, 1, 1, -1)  # (B, T=1, 1, D)
-        sin = self.rope_signed_sin[positions].view(b, 1, 1, -1)
         length = int(positions.max()) + 1
         span = torch.arange(length, device=tokens.device)
         mask = (span[None, :] <= positions[:, None]).view(b, 1, 1, length)  # True = attended
+        return self.decode_step(tokens, positions, mask, cache)
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                    cache: KVCache) -> torch.Tensor:
+        """The body of `decode`, free of host synchronisation (what `--compile` compiles)."""
+        b = tokens.shape[0]
+        rows = torch.arange(b, device=tokens.device)
+        cos = self.rope_cos[positions].view(b, 1, 1, -1)  # (B, T=1, 1, D)
+        sin = self.rope_signed_sin[positions].view(b, 1, 1, -1)
         x = self.model.embed_tokens(tokens).unsqueeze(1)  # (B, 1, hidden)
         for layer in self.model.layers:
             x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, positions, rows, mask, cache)

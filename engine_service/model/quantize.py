@@ -23,8 +23,9 @@ if TYPE_CHECKING:
     from engine_service.model.llama import LlamaForCausalLM
 
 # Rows up to which the int8 kernel is used; measured on SmolLM2 in bfloat16 (benchmarks/throughput.py):
-# faster than bfloat16 up to about 8 rows, slower beyond (it has no matrix-unit path).
-DEFAULT_MAX_ROWS = 8
+# int8 took 12.3/14.3/15.7/31.8 ms for 1/2/4/8 rows where bfloat16 took 29.1/27.7/25.8/26.7 ms
+# (all 30 layers' matmuls; it has no matrix-unit path, so bfloat16 wins from 8 rows on).
+DEFAULT_MAX_ROWS = 4
 
 
 @dataclass(frozen=True)
