@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import structlog
@@ -135,9 +136,20 @@ class Engine:
         cfg = self.config
         set_threads(cfg.threads)
         device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
-        loaded = await asyncio.to_thread(load_model, cfg.model, device, dtype)
-        runner = await asyncio.to_thread(ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype,
-                                         cfg.quantize)
+        # Loaded in a thread that ends afterwards, not in asyncio's executor, whose threads live on.
+        # libgomp gives every thread that runs a parallel torch op an OpenMP team of its own, and
+        # while it manages more threads than there are cores it all but stops spin-waiting: the
+        # decode loop's OpenMP workers then sleep between the hundreds of small parallel ops of a
+        # step and are woken for each. Measured on SmolLM2 in bfloat16, batch 1, 2 cores: 1.4 cores
+        # busy and 57-67 ms a step with a second team alive, 2.0 cores and 44-54 ms without.
+        # So the decode loop's thread must be the only thread that runs torch for long.
+        loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load")
+        try:
+            loaded = await self._event_loop.run_in_executor(loader, load_model, cfg.model, device, dtype)
+            runner = await self._event_loop.run_in_executor(
+                loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, cfg.quantize)
+        finally:
+            loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
         self.loaded = loaded
         self.limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)
         self.info = EngineInfo(
