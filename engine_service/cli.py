@@ -30,9 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
     m.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     m.add_argument("--quantize", default="none", choices=QUANTIZE_METHODS,
-                   help="int8: weight-only int8 copies of the projections serve decode steps of up to 4 rows "
-                        "(faster batch-1 decode on a CPU; float32 or bfloat16 only; +50%% of a bfloat16 model's "
-                        "weight memory)")
+                   help="weight-only copies of the projections that serve decode steps of few rows (faster "
+                        "small-batch decode on a CPU; --dtype bfloat16 only): int8 per channel, up to 4 rows, +50%% of "
+                        "a bfloat16 model's weights; int4 in groups of 32 (Q4_1's layout: near-lossless on a Q4_1 "
+                        "model such as smollm2), up to 8 rows, +25%%")
     s = p.add_argument_group("scheduler and limits")
     s.add_argument("--max-batch", type=int, default=32, help="running sequences decoded together")
     s.add_argument("--max-context", type=int, default=2048,

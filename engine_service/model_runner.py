@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from engine_service.model.llama import KVCache, LlamaForCausalLM
-from engine_service.model.quantize import quantize_int8_model
+from engine_service.model.quantize import quantize_model
 from engine_service.sequence import Sequence
 
 
@@ -19,8 +19,8 @@ class ModelRunner:
         self.device = device
         self.cache = KVCache(model.config, max_batch, max_context, dtype, device)
         model.setup_rope(max_context, device)
-        if quantize == "int8":
-            quantize_int8_model(model)
+        if quantize != "none":
+            quantize_model(model, quantize)
 
     def forward(self, running: Seq[Sequence], n_old: int) -> torch.Tensor:
         """Logits (n, V) for every running row: rows < n_old decode their last token, rows from

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.model.config import ModelConfig
-from engine_service.model.quantize import Int8Weight
+from engine_service.model.quantize import Int4Weight, Int8Weight
 
 
 class RMSNorm(nn.Module):
@@ -76,7 +76,7 @@ class Packed(nn.Module):
         self._parts = parts  # a plain tuple: not registered twice as submodules
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
-        self.quantized: Int8Weight | None = None
+        self.quantized: Int8Weight | Int4Weight | None = None
 
     def pack(self) -> None:
         parts = self._parts

@@ -1,15 +1,25 @@
-"""Weight-only int8 for decode (`--quantize int8`, off by default).
+"""Weight-only quantization for decode (`--quantize int8|int4`, off by default).
 
 A batch-1 decode step reads every weight once and does little arithmetic with it, so on a CPU it is
-bound by memory and by the per-call cost of the matmul kernel, not by FLOPs. Each projection keeps
-its weights in the model's dtype and gains a per-output-channel symmetric int8 copy (scale =
-max |w| / 127 per row); steps of at most `max_rows` rows (decode of small batches) multiply with
-torch's weight-only int8 kernel (`torch._weight_int8pack_mm`: int8 weights, activations and output
-in the model's dtype), larger ones (prefill, large decode batches, where the model's dtype and its
-matrix units win) with the original weights. Memory: the int8 copy adds half of a bfloat16 model's
-projection weights.
+bound by memory and by the per-call cost of the matmul kernel, not by FLOPs; torch's bfloat16 kernel
+is slow there (about 300 us per projection of SmolLM2, 70% of a step). Each projection keeps its
+weights in the model's dtype and gains a quantized copy; calls of at most `max_rows` rows (decode
+of small batches) multiply with torch's weight-only kernel for it (activations and output stay in
+the model's dtype), larger ones (prefill, large decode batches, where the model's dtype and the
+CPU's matrix units win) with the original weights.
 
-Accuracy against the unquantized model is measured in tests/test_quantize.py and README.
+- int8: per-output-channel symmetric (scale = max |w| / 127 per row), `torch._weight_int8pack_mm`.
+  Adds half of a bfloat16 model's projection weights.
+- int4: groups of 32 inputs, asymmetric (min and max of each group give scale and offset), the
+  layout of GGUF's Q4_1, `torch._weight_int4pack_mm_for_cpu`. Adds a quarter. A Q4_1 file's blocks
+  are exactly such groups, so on a Q4_1 model (the packaged SmolLM2) the int4 copy recovers the
+  file's own 4-bit values (in float32, the layers' int4 logits matched the unquantized ones on
+  every top-1 and within 0.0005); in bfloat16 scale and offset are rounded. The LM head gets int8
+  (`quantize_model`). Only with bfloat16 activations are these kernels fast (EngineConfig).
+
+Measured over the 30 layers' matmuls of SmolLM2 in bfloat16 (ms for 1/4/8/16 rows): bfloat16
+32.0/30.9/26.1/31.1, int8 14.0/17.3/33.6/56.2, int4 7.7/9.8/22.7/42.7; hence the row limits.
+Accuracy against the unquantized model: tests/test_quantize.py and README.
 """
 
 from __future__ import annotations
@@ -22,10 +32,8 @@ import torch
 if TYPE_CHECKING:
     from engine_service.model.llama import LlamaForCausalLM
 
-# Rows up to which the int8 kernel is used; measured on SmolLM2 in bfloat16 (benchmarks/throughput.py):
-# int8 took 12.3/14.3/15.7/31.8 ms for 1/2/4/8 rows where bfloat16 took 29.1/27.7/25.8/26.7 ms
-# (all 30 layers' matmuls; it has no matrix-unit path, so bfloat16 wins from 8 rows on).
-DEFAULT_MAX_ROWS = 4
+MAX_ROWS = {"int8": 4, "int4": 8}  # rows up to which the quantized kernel is faster (above)
+INT4_GROUP = 32
 
 
 @dataclass(frozen=True)
@@ -40,7 +48,19 @@ class Int8Weight:
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def quantize_int8(weight: torch.Tensor, max_rows: int = DEFAULT_MAX_ROWS) -> Int8Weight:
+@dataclass(frozen=True)
+class Int4Weight:
+    packed: torch.Tensor  # torch's CPU int4 layout of the (N, K) values 0..15
+    scales_and_zeros: torch.Tensor  # (K / 32, N, 2): w = (q - 8) * scale + zero, in the activations' dtype
+    max_rows: int
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.packed, INT4_GROUP,
+                                                self.scales_and_zeros)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def quantize_int8(weight: torch.Tensor, max_rows: int = MAX_ROWS["int8"]) -> Int8Weight:
     """Per-output-channel symmetric int8 of a (N, K) weight; an all-zero row gets scale 1."""
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)
@@ -49,8 +69,34 @@ def quantize_int8(weight: torch.Tensor, max_rows: int = DEFAULT_MAX_ROWS) -> Int
     return Int8Weight(q.contiguous(), scales.to(weight.dtype).contiguous(), max_rows)
 
 
-def quantize_int8_model(model: LlamaForCausalLM, max_rows: int = DEFAULT_MAX_ROWS) -> None:
-    """Give every projection of `model` (packed: call after `setup_rope`) its int8 copy."""
+def quantize_int4(weight: torch.Tensor, max_rows: int = MAX_ROWS["int4"]) -> Int4Weight:
+    """Asymmetric 4-bit of a (N, K) weight in groups of 32 along K; a constant group gets scale 0."""
+    n, k = weight.shape
+    if k % INT4_GROUP:
+        raise ValueError(f"--quantize int4 needs input sizes that are multiples of {INT4_GROUP}, got a {n}x{k} weight")
+    w = weight.detach().float().view(n, k // INT4_GROUP, INT4_GROUP)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scale = (high - low) / 15
+    q = torch.where(scale[..., None] > 0, torch.round((w - low[..., None]) / scale[..., None].clamp(min=1e-30)),
+                    torch.zeros_like(w)).clamp_(0, 15)
+    zero = low + 8 * scale  # (q - 8) * scale + zero == q * scale + low
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(n, k).contiguous(), 1)
+    scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(weight.dtype).contiguous()
+    return Int4Weight(packed, scales_and_zeros, max_rows)
+
+
+def quantize_model(model: LlamaForCausalLM, method: str, max_rows: int | None = None) -> None:
+    """Give every projection of `model` (packed: call after `setup_rope`) its quantized copy. With
+    int4 the LM head gets int8: embeddings are often kept at 8 bits (the packaged SmolLM2's are
+    Q8_0, and 4 bits there moved top-1 on 13% of positions of a text against 3% for int8)."""
+    layers, head = model.projections()[:-1], model.projections()[-1]
     with torch.no_grad():
-        for packed in model.projections():
-            packed.quantized = quantize_int8(packed.weight, max_rows)  # type: ignore[arg-type]
+        if method == "int8":
+            for packed in [*layers, head]:
+                packed.quantized = quantize_int8(packed.weight, MAX_ROWS["int8"] if max_rows is None else max_rows)  # type: ignore[arg-type]
+        elif method == "int4":
+            for packed in layers:
+                packed.quantized = quantize_int4(packed.weight, MAX_ROWS["int4"] if max_rows is None else max_rows)  # type: ignore[arg-type]
+            head.quantized = quantize_int8(head.weight, MAX_ROWS["int8"] if max_rows is None else max_rows)  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"quantize method must be int8 or int4, got {method!r}")
