@@ -300,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                     cache: KVCache) -> torch.Tensor:
-        """The body of `decode`, free of host synchronisation (what `--compile` compiles)."""
+        """The body of `decode`, free of host synchronisation (a graph a compiler could take whole)."""
         b = tokens.shape[0]
         rows = torch.arange(b, device=tokens.device)
         cos = self.rope_cos[positions].view(b, 1, 1, -1)  # (B, T=1, 1, D)
