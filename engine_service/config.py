@@ -25,7 +25,7 @@ class EngineConfig:
     stall_seconds: float = 30.0
     faults: FaultPlan = field(default_factory=FaultPlan)
     threads: int = 0
-    quantize: str = "none"  # engine_service.model.quantize.METHODS
+    quantize: str = "none"  # none, int8 or int4 (engine_service/model/quantize.py)
 
     def __post_init__(self) -> None:
         _positive("max_batch", self.max_batch)

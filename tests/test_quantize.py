@@ -114,21 +114,23 @@ def test_quantize_is_validated_by_name() -> None:
 
 
 def test_an_engine_serves_the_quantized_models_greedy_tokens() -> None:
-    """Over gRPC, --quantize int8 gives the tokens of the in-process int8 model (its batch-1 decode
-    steps take the int8 path; the 6-row prefill does not), and they are not the unquantized model's."""
+    """Over gRPC, --quantize int8 and int4 give the tokens of the in-process quantized model (its
+    batch-1 decode steps take the quantized path; the 6-row prefill takes it with int4 only), and
+    int8's are not the unquantized model's."""
     prompt = [37, 235, 140, 72, 255, 137]  # one whose greedy tokens int8 changes (most do not on this model)
-    plain = load_model("tiny", CPU, torch.bfloat16).model
-    expected_plain = engine_greedy(plain, [prompt], 24, CPU)[0]
-    quantized = load_model("tiny", CPU, torch.bfloat16).model
-    quantized.setup_rope(64, CPU)
-    quantize_model(quantized, "int8")
-    expected_int8 = engine_greedy(quantized, [prompt], 24, CPU)[0]
-    assert expected_int8 != expected_plain
-    for flags, expected in (((), expected_plain), (("--quantize", "int8"), expected_int8)):
-        with EngineProcess("--model", "tiny", "--dtype", "bfloat16", "--max-context", "64", *flags) as engine, \
+    expected = {}
+    for method in ("none", "int8", "int4"):
+        model = load_model("tiny", CPU, torch.bfloat16).model
+        model.setup_rope(64, CPU)
+        if method != "none":
+            quantize_model(model, method)
+        expected[method] = engine_greedy(model, [prompt], 24, CPU)[0]
+    assert expected["int8"] != expected["none"]
+    for method, tokens in expected.items():
+        with EngineProcess("--model", "tiny", "--dtype", "bfloat16", "--max-context", "64", "--quantize", method) as engine, \
                 grpc.insecure_channel(engine.address) as channel:
             stub = engine_pb2_grpc.EngineServiceStub(channel)
             request = pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_new_tokens=24, ignore_eos=True)
-            assert [i for m in stub.Decode(request, timeout=60) for i in m.token_ids] == expected
+            assert [i for m in stub.Decode(request, timeout=60) for i in m.token_ids] == tokens, method
             ready = engine.events_named("engine_ready")
-            assert ready and ready[0]["quantize"] == (flags[1] if flags else "none")
+            assert ready and ready[0]["quantize"] == method
