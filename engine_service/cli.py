@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "small-batch decode on a CPU; --dtype bfloat16 only): int8 per channel, up to 4 rows, +50%% of "
                         "a bfloat16 model's weights; int4 in groups of 32 (Q4_1's layout: near-lossless on a Q4_1 "
                         "model such as smollm2), up to 8 rows, +25%%")
+    m.add_argument("--trace-decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the decode step as TorchScript traces made at start-up (the same operators without "
+                        "Python's dispatch of each; a second or two to trace)")
     s = p.add_argument_group("scheduler and limits")
     s.add_argument("--max-batch", type=int, default=32, help="running sequences decoded together")
     s.add_argument("--max-context", type=int, default=2048,
@@ -88,6 +91,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         stream_interval=args.stream_interval,
         stall_seconds=args.stall_seconds,
         faults=FaultPlan.parse(args.fault), threads=args.threads, quantize=args.quantize,
+        trace_decode=args.trace_decode,
     )
     server = ServerConfig(
         host=args.host, port=args.port, grace_seconds=args.grace_seconds, max_receive_bytes=args.max_receive_bytes,

@@ -26,6 +26,7 @@ class EngineConfig:
     faults: FaultPlan = field(default_factory=FaultPlan)
     threads: int = 0
     quantize: str = "none"  # none, int8 or int4 (engine_service/model/quantize.py)
+    trace_decode: bool = True  # the decode step through TorchScript traces (engine_service/model/traced_decode.py)
 
     def __post_init__(self) -> None:
         _positive("max_batch", self.max_batch)

@@ -147,7 +147,8 @@ class Engine:
         try:
             loaded = await self._event_loop.run_in_executor(loader, load_model, cfg.model, device, dtype)
             runner = await self._event_loop.run_in_executor(
-                loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, cfg.quantize)
+                loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, cfg.quantize,
+                cfg.trace_decode)
         finally:
             loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
         self.loaded = loaded
@@ -168,6 +169,7 @@ class Engine:
         self._stall_watch = asyncio.create_task(self._watch_stalls(cfg.stall_seconds))
         self.ready.set()
         log.info("engine_ready", model=loaded.name, device=str(device), dtype=cfg.dtype, quantize=cfg.quantize,
+                 trace_decode=cfg.trace_decode,
                  kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
                  tokenizer=loaded.tokenizer.kind)
 

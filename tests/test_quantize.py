@@ -127,10 +127,13 @@ def test_an_engine_serves_the_quantized_models_greedy_tokens() -> None:
         expected[method] = engine_greedy(model, [prompt], 24, CPU)[0]
     assert expected["int8"] != expected["none"]
     for method, tokens in expected.items():
-        with EngineProcess("--model", "tiny", "--dtype", "bfloat16", "--max-context", "64", "--quantize", method) as engine, \
+        # the unquantized engine decodes eagerly, the quantized ones through traces: both paths over the wire
+        trace = "--no-trace-decode" if method == "none" else "--trace-decode"
+        with EngineProcess("--model", "tiny", "--dtype", "bfloat16", "--max-context", "64", "--quantize", method,
+                           trace) as engine, \
                 grpc.insecure_channel(engine.address) as channel:
             stub = engine_pb2_grpc.EngineServiceStub(channel)
             request = pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_new_tokens=24, ignore_eos=True)
             assert [i for m in stub.Decode(request, timeout=60) for i in m.token_ids] == tokens, method
             ready = engine.events_named("engine_ready")
-            assert ready and ready[0]["quantize"] == method
+            assert ready and ready[0]["quantize"] == method and ready[0]["trace_decode"] == (method != "none")
