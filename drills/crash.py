@@ -124,7 +124,9 @@ def engine_crashes(work: Path, quick: bool, checks: Checks) -> tuple[int, dict[s
 
 
 def client_kills(work: Path, quick: bool, checks: Checks) -> tuple[int, dict[str, object]]:
-    grid = Grid([8, 16, 24, 32], [1, 2], 24, 4)
+    # 96 new tokens: a point must outlast the kill's random delay (up to 0.2 s) even on a fast engine,
+    # or a kill meant for the last points lands after the sweep has ended
+    grid = Grid([8, 16, 24, 32], [1, 2], 96, 4)
     kills = 2 if quick else 5
     rng = random.Random(KILL_SEED)
     lost, resumes, mid_sweep = 0, 0, 0
