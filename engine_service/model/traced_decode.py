@@ -56,9 +56,10 @@ class TracedDecode:
     @torch.inference_mode()
     def _trace(step: _Step, rows: int, cache: KVCache) -> torch.jit.ScriptModule:
         device = cache.k.device
+        length = min(3, cache.max_context)  # attended length 3 (not 1, which a trace could take as fixed)
         tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        positions = torch.arange(rows, dtype=torch.long, device=device) % 2 + 1  # distinct lengths, none of 1
-        mask = (torch.arange(3, device=device)[None, :] <= positions[:, None]).view(rows, 1, 1, 3)
+        positions = torch.arange(rows, dtype=torch.long, device=device) % length  # mixed lengths
+        mask = (torch.arange(length, device=device)[None, :] <= positions[:, None]).view(rows, 1, 1, length)
         with warnings.catch_warnings():
             # the tracer warns about every Python int taken from a shape; shapes stay symbolic here
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
