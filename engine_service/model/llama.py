@@ -103,6 +103,13 @@ class Packed(nn.Module):
         return F.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
 
 
+def decode_mask(positions: torch.Tensor) -> torch.Tensor:
+    """(B, 1, 1, L) with True where row b attends: keys 0..positions[b], L = the longest (a host sync)."""
+    length = int(positions.max()) + 1
+    span = torch.arange(length, device=positions.device)
+    return (span[None, :] <= positions[:, None]).view(positions.shape[0], 1, 1, length)
+
+
 class KVCache(nn.Module):
     """Keys and values of every layer for `max_batch` rows of `max_context` tokens, allocated once.
 
@@ -292,11 +299,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token for each of rows 0..B-1: `tokens` (B,) at `positions` (B,). Returns (B, V)."""
-        b = tokens.shape[0]
-        length = int(positions.max()) + 1
-        span = torch.arange(length, device=tokens.device)
-        mask = (span[None, :] <= positions[:, None]).view(b, 1, 1, length)  # True = attended
-        return self.decode_step(tokens, positions, mask, cache)
+        return self.decode_step(tokens, positions, decode_mask(positions), cache)
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                     cache: KVCache) -> torch.Tensor:

@@ -18,7 +18,7 @@ import warnings
 import structlog
 import torch
 
-from engine_service.model.llama import KVCache, LlamaForCausalLM
+from engine_service.model.llama import KVCache, LlamaForCausalLM, decode_mask
 
 log = structlog.get_logger()
 
@@ -37,7 +37,6 @@ class TracedDecode:
     """`model.decode` through traces, one per quantization regime up to `max_batch` rows."""
 
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, max_batch: int) -> None:
-        self.model = model
         limits = sorted({p.quantized.max_rows for p in model.projections() if p.quantized is not None})
         self._limits = [r for r in limits if r < max_batch]
         self._traces: dict[tuple[bool, ...], torch.jit.ScriptModule] = {}
@@ -74,8 +73,4 @@ class TracedDecode:
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """As `LlamaForCausalLM.decode` on the cache given at construction."""
-        b = tokens.shape[0]
-        length = int(positions.max()) + 1
-        span = torch.arange(length, device=tokens.device)
-        mask = (span[None, :] <= positions[:, None]).view(b, 1, 1, length)
-        return self._traces[self._regime(b)](tokens, positions, mask)
+        return self._traces[self._regime(tokens.shape[0])](tokens, positions, decode_mask(positions))
