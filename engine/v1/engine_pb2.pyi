@@ -92,12 +92,14 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_seconds", "time_to_first_token_seconds", "total_seconds")
@@ -164,17 +166,21 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running_sequences", "waiting_requests", "kv_cache_used_tokens", "kv_cache_capacity_tokens", "requests_finished", "draining")
+    __slots__ = ("running_sequences", "waiting_requests", "kv_cache_used_tokens", "kv_cache_capacity_tokens", "requests_finished", "draining", "prefix_cache_used_tokens", "prefix_cache_capacity_tokens")
     RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     running_sequences: int
     waiting_requests: int
     kv_cache_used_tokens: int
     kv_cache_capacity_tokens: int
     requests_finished: int
     draining: bool
-    def __init__(self, running_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_used_tokens: _Optional[int] = ..., kv_cache_capacity_tokens: _Optional[int] = ..., requests_finished: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    prefix_cache_used_tokens: int
+    prefix_cache_capacity_tokens: int
+    def __init__(self, running_sequences: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_used_tokens: _Optional[int] = ..., kv_cache_capacity_tokens: _Optional[int] = ..., requests_finished: _Optional[int] = ..., draining: _Optional[bool] = ..., prefix_cache_used_tokens: _Optional[int] = ..., prefix_cache_capacity_tokens: _Optional[int] = ...) -> None: ...
