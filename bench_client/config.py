@@ -5,6 +5,9 @@ target = "127.0.0.1:50051"          # or "ipv4:127.0.0.1:50051,127.0.0.1:50052",
 
 [workload]                          # every combination of the lists is one point
 context_tokens = [64, 256]          # exact prompt lengths in tokens
+prefix_tokens = 0                   # the first N tokens of every prompt are shared (a system prompt,
+prefix_groups = 1                   # for prefix caching): 0..min(context_tokens); with G groups, G distinct
+                                    # prefixes, request i uses prefix i % G (G > 1 needs prefix_tokens >= 1)
 max_new_tokens = [32]
 concurrency = [1, 8]
 request_rate = ["inf"]              # requests/s with Poisson arrivals, or "inf" (all at once)
@@ -84,6 +87,8 @@ class WorkloadConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    prefix_tokens: int = 0  # the first prefix_tokens of every prompt are one of prefix_groups shared prefixes
+    prefix_groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -212,7 +217,15 @@ def _workload(raw: Mapping[str, Any]) -> WorkloadConfig:
         temperature=_float("workload.temperature", raw.get("temperature", defaults.temperature), minimum=0.0),
         top_p=_float("workload.top_p", raw.get("top_p", defaults.top_p), minimum=0.0),
         top_k=_int("workload.top_k", raw.get("top_k", defaults.top_k), minimum=0),
+        prefix_tokens=_int("workload.prefix_tokens", raw.get("prefix_tokens", defaults.prefix_tokens), minimum=0),
+        prefix_groups=_int("workload.prefix_groups", raw.get("prefix_groups", defaults.prefix_groups), minimum=1),
     )
+    if config.prefix_tokens > min(config.context_tokens):
+        raise ConfigError(f"workload.prefix_tokens must be <= every workload.context_tokens value (the prefix is "
+                          f"part of the prompt; smallest {min(config.context_tokens)}), got {config.prefix_tokens!r}")
+    if config.prefix_groups > 1 and config.prefix_tokens == 0:
+        raise ConfigError(f"workload.prefix_groups {config.prefix_groups!r} needs workload.prefix_tokens >= 1 "
+                          "(groups of an empty prefix share nothing), got prefix_tokens 0")
     if not 0.0 < config.top_p <= 1.0:
         raise ConfigError(f"workload.top_p must be in (0, 1], got {config.top_p!r}")
     if config.temperature > 100.0:

@@ -10,6 +10,9 @@ Over successful requests only (failed ones are counted by the caller, by status 
   output_tokens - 1 and sum to E2EL - TTFT, and their mean is its TPOT.
 - request throughput = completed requests / point duration; output throughput = sum of output
   tokens / duration; total token throughput = (sum of prompt + output tokens) / duration.
+- cached prompt tokens: the prompt tokens whose KV the engine took from its prefix cache, as it
+  reports them (Usage.cached_prompt_tokens; 0 from an engine without one): their total and their
+  mean per completed request. They are part of the prompt tokens, not added to them.
 Each latency is summarised by mean, median, p90 and p99 (linear interpolation, as numpy's
 default), in milliseconds.
 """
@@ -41,6 +44,7 @@ class RequestTimeline:
     prompt_tokens: int
     engine_queue_s: float | None = None
     engine_ttft_s: float | None = None
+    cached_prompt_tokens: int = 0  # of prompt_tokens, those the engine's prefix cache supplied
 
     @property
     def output_tokens(self) -> int:
@@ -113,6 +117,8 @@ class PointMetrics:
     duration_s: float
     total_input_tokens: int
     total_output_tokens: int
+    total_cached_prompt_tokens: int
+    mean_cached_prompt_tokens: float | None  # per completed request; None when none completed
     request_throughput: float
     output_throughput: float
     total_token_throughput: float
@@ -133,6 +139,7 @@ def compute(timelines: Sequence[RequestTimeline], duration_s: float) -> PointMet
         raise ValueError(f"duration_s must be >= 0, got {duration_s!r}")
     input_tokens = sum(t.prompt_tokens for t in timelines)
     output_tokens = sum(t.output_tokens for t in timelines)
+    cached_tokens = sum(t.cached_prompt_tokens for t in timelines)
 
     def per_second(amount: float) -> float:
         return amount / duration_s if duration_s > 0 else 0.0
@@ -142,6 +149,8 @@ def compute(timelines: Sequence[RequestTimeline], duration_s: float) -> PointMet
         duration_s=duration_s,
         total_input_tokens=input_tokens,
         total_output_tokens=output_tokens,
+        total_cached_prompt_tokens=cached_tokens,
+        mean_cached_prompt_tokens=cached_tokens / len(timelines) if timelines else None,
         request_throughput=per_second(len(timelines)),
         output_throughput=per_second(output_tokens),
         total_token_throughput=per_second(input_tokens + output_tokens),

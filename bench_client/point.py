@@ -4,6 +4,12 @@ by the policy table.
 The point's requests start as a Poisson process of `request_rate` (all at once when it is inf)
 and at most `concurrency` of them are in flight (a request keeps its slot while it backs off).
 Warmup requests run first, at the same concurrency, and are not measured.
+
+Prompts (prompts.py): with `prefix_tokens` > 0, request i of a point starts with the shared prefix
+of group i % prefix_groups. Warmup request i uses group i % prefix_groups too, as vLLM's benchmark
+warms up on the measured distribution: with warmup_requests >= prefix_groups every prefix is in the
+engine's prefix cache before the measured requests start (capacity allowing), so a point measures
+the steady state of shared system prompts. The prefixes are the same at every point of the sweep.
 """
 
 from __future__ import annotations
@@ -35,10 +41,13 @@ class PointSpec:
     max_new_tokens: int
     concurrency: int
     request_rate: float
+    prefix_tokens: int = 0  # the shared prefix of each prompt (workload.prefix_tokens)
+    prefix_groups: int = 1
 
     def tag(self) -> str:
         rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
-        return f"c{self.context_tokens}-n{self.max_new_tokens}-x{self.concurrency}-r{rate}"
+        prefix = f"-p{self.prefix_tokens}g{self.prefix_groups}" if self.prefix_tokens else ""
+        return f"c{self.context_tokens}-n{self.max_new_tokens}-x{self.concurrency}-r{rate}{prefix}"
 
 
 @dataclass(frozen=True)
@@ -136,7 +145,8 @@ class PointRunner:
     async def _request(self, spec: PointSpec, index: int, warmup: bool) -> RequestOutcome:
         prompt = make_prompt(seed=self.workload.seed, length=spec.context_tokens,
                              index=-1 - index if warmup else index, vocab_size=self.server_info.vocab_size,
-                             avoid=(self.server_info.eos_token_id, self.server_info.bos_token_id))
+                             avoid=(self.server_info.eos_token_id, self.server_info.bos_token_id),
+                             prefix_tokens=spec.prefix_tokens, prefix_group=index % spec.prefix_groups)
         self.observer.request_started(spec)
         attempt = 0
         while True:
@@ -230,6 +240,7 @@ def _success(index: int, warmup: bool, attempts: int, sent_at: float, chunks: Se
         prompt_tokens=last.prompt_tokens if last.prompt_tokens else prompt_tokens,
         engine_queue_s=last.timing.queue_seconds if last.timing else None,
         engine_ttft_s=last.timing.time_to_first_token_seconds if last.timing else None,
+        cached_prompt_tokens=last.cached_prompt_tokens or 0,
     )
     return RequestOutcome(index=index, warmup=warmup, attempts=attempts, timeline=timeline)
 

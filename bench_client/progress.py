@@ -56,7 +56,8 @@ class SweepProgress:
         self._update()
 
     def point_recorded(self, record: dict[str, Any]) -> None:
-        fields = {k: record[k] for k in ("context_tokens", "max_new_tokens", "concurrency", "request_rate")}
+        fields = {k: record[k] for k in ("context_tokens", "max_new_tokens", "concurrency", "request_rate",
+                                         "prefix_tokens", "prefix_groups")}
         if record["status"] == "skipped":
             log.warning("point_skipped", **fields, engine=record["engine"], reason=record["reason"],
                         reason_metadata=record["reason_metadata"], message=record["message"],
@@ -67,7 +68,8 @@ class SweepProgress:
             level("point_done", **fields, engine=record["engine"], status=record["status"],
                   completed=record["requests"]["completed"], failed_by_code=record["requests"]["failed_by_code"],
                   output_throughput=round(metrics["output_throughput"], 2),
-                  ttft_median_ms=metrics["ttft_ms"]["median"], tpot_median_ms=metrics["tpot_ms"]["median"])
+                  ttft_median_ms=metrics["ttft_ms"]["median"], tpot_median_ms=metrics["tpot_ms"]["median"],
+                  cached_prompt_tokens_mean=metrics["mean_cached_prompt_tokens"])
         self._in_flight = 0  # a skip or stop ends a point's requests without finishing them
         self._update(advance=1)
 

@@ -23,6 +23,8 @@ def _base(spec: PointSpec, engine: Mapping[str, Any] | None, target: str, server
         "max_new_tokens": spec.max_new_tokens,
         "concurrency": spec.concurrency,
         "request_rate": rate_to_json(spec.request_rate),
+        "prefix_tokens": spec.prefix_tokens,
+        "prefix_groups": spec.prefix_groups,
         "engine": dict(engine) if engine is not None else None,
         "target": target,
         "server_info": server_info.as_dict() if server_info is not None else None,
@@ -84,7 +86,9 @@ def point_record(outcome: PointOutcome, *, engine: Mapping[str, Any] | None, tar
 def request_record(spec: PointSpec, outcome: RequestOutcome, *, engine: Mapping[str, Any] | None,
                    run_id: str) -> dict[str, Any]:
     """One line of requests.jsonl (--detail): `sent_at` in Unix seconds (the last attempt); the
-    other times in seconds from it; `messages` lists [arrival, tokens] per streamed message."""
+    other times in seconds from it; `messages` lists [arrival, tokens] per streamed message;
+    `prompt_tokens` and `cached_prompt_tokens` as the engine counted them (the latter: from its
+    prefix cache); `prefix_group` is the shared prefix the prompt began with (null without one)."""
     record: dict[str, Any] = {
         "run_id": run_id,
         "engine": dict(engine) if engine is not None else None,
@@ -92,6 +96,9 @@ def request_record(spec: PointSpec, outcome: RequestOutcome, *, engine: Mapping[
         "max_new_tokens": spec.max_new_tokens,
         "concurrency": spec.concurrency,
         "request_rate": rate_to_json(spec.request_rate),
+        "prefix_tokens": spec.prefix_tokens,
+        "prefix_groups": spec.prefix_groups,
+        "prefix_group": outcome.index % spec.prefix_groups if spec.prefix_tokens else None,
         "index": outcome.index,
         "warmup": outcome.warmup,
         "attempts": outcome.attempts,
@@ -107,6 +114,8 @@ def request_record(spec: PointSpec, outcome: RequestOutcome, *, engine: Mapping[
             ttft_s=timeline.ttft,
             e2el_s=timeline.e2el,
             output_tokens=timeline.output_tokens,
+            prompt_tokens=timeline.prompt_tokens,
+            cached_prompt_tokens=timeline.cached_prompt_tokens,
             messages=[[round(a.at - timeline.sent_at, 6), a.num_tokens] for a in timeline.arrivals],
             engine_queue_s=timeline.engine_queue_s,
             engine_ttft_s=timeline.engine_ttft_s,

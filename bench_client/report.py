@@ -3,7 +3,11 @@
 Plots, one line per engine configuration, one small panel per value of the other parameters:
 - `throughput_vs_concurrency.png`: output token throughput against concurrency.
 - `latency_vs_context.png`: median TTFT and median TPOT against context length.
-Only points with completed requests are plotted (skipped ones have no metrics).
+Only points with completed requests are plotted (skipped ones have no metrics). When some point has
+a shared prompt prefix (workload.prefix_tokens), the prefix and its groups are facets too.
+
+Records written before `prefix_tokens`, `prefix_groups` and the cached prompt tokens existed read as
+prefix 0, one group and 0 cached tokens (what those engines and clients did).
 """
 
 from __future__ import annotations
@@ -35,17 +39,35 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _sort_key(record: dict[str, Any]) -> tuple[str, int, int, int, float]:
+def _with_prefix_defaults(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with prefix_tokens 0 and prefix_groups 1 where it predates them."""
+    return {"prefix_tokens": 0, "prefix_groups": 1, **record}
+
+
+def _prefix_label(record: dict[str, Any]) -> str:
+    tokens, groups = record.get("prefix_tokens", 0), record.get("prefix_groups", 1)
+    return f"{tokens} x{groups}" if groups > 1 else str(tokens)
+
+
+def _mean_cached(metrics: dict[str, Any]) -> float | None:
+    """Mean cached prompt tokens per completed request; 0 in records that predate the field."""
+    return metrics.get("mean_cached_prompt_tokens", 0.0 if metrics["completed"] else None)
+
+
+def _sort_key(record: dict[str, Any]) -> tuple[str, int, int, int, int, int, float]:
     rate = record["request_rate"]
-    return (_engine_label(record["engine"]), record["context_tokens"], record["max_new_tokens"],
-            record["concurrency"], float("inf") if rate == "inf" else float(rate))
+    return (_engine_label(record["engine"]), record["context_tokens"], record.get("prefix_tokens", 0),
+            record.get("prefix_groups", 1), record["max_new_tokens"], record["concurrency"],
+            float("inf") if rate == "inf" else float(rate))
 
 
 def build_table(records: Sequence[dict[str, Any]]) -> Table:
     table = Table(title="sweep results", show_lines=False)
-    table.caption = "latencies in ms (p50 = median); eng = reported by the engine; failed = by status code"
-    for name in ("engine", "ctx", "new", "conc", "rate", "status", "ok", "failed", "out tok/s", "req/s",
-                 "TTFT p50", "TTFT p99", "TPOT p50", "ITL p99", "eng queue p50", "eng TTFT p50"):
+    table.caption = ("latencies in ms (p50 = median); eng = reported by the engine; failed = by status code; "
+                     "prefix = shared prompt prefix tokens (x groups); cached = prompt tokens per completed "
+                     "request that the engine's prefix cache supplied (mean)")
+    for name in ("engine", "ctx", "prefix", "new", "conc", "rate", "status", "ok", "failed", "out tok/s", "req/s",
+                 "cached", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p99", "eng queue p50", "eng TTFT p50"):
         table.add_column(name, justify="left" if name in ("engine", "status", "failed") else "right")
     table.add_column("reason", justify="left", overflow="fold", min_width=30)
     for r in sorted(records, key=_sort_key):
@@ -55,14 +77,14 @@ def build_table(records: Sequence[dict[str, Any]]) -> Table:
         reason = " ".join([r["reason"] or "", *(f"{k}={v}" for k, v in sorted(r["reason_metadata"].items()))])
         if r.get("skipped_without_sending"):
             reason += " (not sent)"
-        row = [_engine_label(r["engine"]), str(r["context_tokens"]), str(r["max_new_tokens"]),
+        row = [_engine_label(r["engine"]), str(r["context_tokens"]), _prefix_label(r), str(r["max_new_tokens"]),
                str(r["concurrency"]), str(r["request_rate"]),
                f"[{_STATUS_STYLE.get(r['status'], 'white')}]{r['status']}[/]",
                str(requests["completed"]), failed]
         if m is None:
-            row += ["-"] * 8
+            row += ["-"] * 9
         else:
-            row += [_fmt(m["output_throughput"]), _fmt(m["request_throughput"], 2),
+            row += [_fmt(m["output_throughput"]), _fmt(m["request_throughput"], 2), _fmt(_mean_cached(m)),
                     _fmt(m["ttft_ms"]["median"]), _fmt(m["ttft_ms"]["p99"]), _fmt(m["tpot_ms"]["median"], 2),
                     _fmt(m["itl_ms"]["p99"], 2), _fmt(m["engine_queue_ms"]["median"]),
                     _fmt(m["engine_ttft_ms"]["median"])]
@@ -71,29 +93,32 @@ def build_table(records: Sequence[dict[str, Any]]) -> Table:
 
 
 def print_table(records: Sequence[dict[str, Any]], console: Console | None = None) -> None:
-    (console or Console(width=200)).print(build_table(records))
+    (console or Console(width=220)).print(build_table(records))
 
 
 def write_plots(records: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
     """Write the PNG plots into out_dir; returns their paths (none when no point has metrics)."""
-    measured = [r for r in records if r["metrics"] is not None and r["metrics"]["completed"] > 0]
+    measured = [_with_prefix_defaults(r) for r in records
+                if r["metrics"] is not None and r["metrics"]["completed"] > 0]
     if not measured:
         return []
+    prefix = ("prefix_tokens", "prefix_groups") if any(r["prefix_tokens"] for r in measured) else ()
     throughput = _facet_plot(
         measured, out_dir / THROUGHPUT_PLOT, x_key="concurrency", x_label="concurrency",
-        facet_keys=("context_tokens", "max_new_tokens", "request_rate"),
+        facet_keys=("context_tokens", "max_new_tokens", "request_rate", *prefix),
         panels=(("output throughput (tokens/s)", lambda m: m["output_throughput"]),),
         title="output throughput vs concurrency")
     latency = _facet_plot(
         measured, out_dir / LATENCY_PLOT, x_key="context_tokens", x_label="context length (tokens)",
-        facet_keys=("concurrency", "max_new_tokens", "request_rate"),
+        facet_keys=("concurrency", "max_new_tokens", "request_rate", *prefix),
         panels=(("median TTFT (ms)", lambda m: m["ttft_ms"]["median"]),
                 ("median TPOT (ms)", lambda m: m["tpot_ms"]["median"])),
         title="TTFT and TPOT vs context length")
     return [throughput, latency]
 
 
-_SHORT = {"context_tokens": "ctx", "max_new_tokens": "new", "request_rate": "rate", "concurrency": "conc"}
+_SHORT = {"context_tokens": "ctx", "max_new_tokens": "new", "request_rate": "rate", "concurrency": "conc",
+          "prefix_tokens": "prefix", "prefix_groups": "groups"}
 
 
 def _facet_plot(records: Sequence[dict[str, Any]], path: Path, *, x_key: str, x_label: str,

@@ -15,6 +15,8 @@ directory cuts such a line off with a warning; it is never read as a result.
 Point record schema `bench_client.point/1` (keys always present unless marked optional):
 - `schema`: "bench_client.point/1".
 - `context_tokens`, `max_new_tokens`, `concurrency`: ints; `request_rate`: requests/s or "inf".
+- `prefix_tokens`, `prefix_groups`: ints, the workload's shared prompt prefixes (prompts.py); optional,
+  absent in records written before they existed and read as 0 and 1.
 - `status`: "ok", "skipped" or "failed".
 - `reason`: null for "ok"; for "skipped" the engine's ErrorInfo reason (e.g. CONTEXT_LENGTH_EXCEEDED);
   for "failed" `ERROR_RATE_EXCEEDED`. `reason_metadata`: the ErrorInfo metadata (object of strings),
@@ -27,7 +29,9 @@ Point record schema `bench_client.point/1` (keys always present unless marked op
 - `requests`: {"sent": n, "completed": n, "failed": n, "failed_by_code": {"ABORTED": n, ...},
   "failed_by_reason": {"SEQUENCE_ABORTED": n, ...}, "retries": n, "warmup": n}.
 - `metrics`: null when skipped, else the object of metrics.PointMetrics (latencies in ms with mean,
-  median, p90, p99; throughputs per second; engine-reported queue time and TTFT).
+  median, p90, p99; throughputs per second; engine-reported queue time and TTFT;
+  `total_cached_prompt_tokens` and `mean_cached_prompt_tokens` per completed request, the prompt
+  tokens the engine's prefix cache supplied: optional, absent in older records and read as 0).
 - `started_at`, `finished_at`: Unix seconds; `run_id`: the sweep run that recorded the point.
 
 A request retried by the policy (QUEUE_FULL, UNAVAILABLE before its first token) is timed from its
@@ -69,6 +73,8 @@ class PointKey:
     max_new_tokens: int
     concurrency: int
     request_rate: float
+    prefix_tokens: int = 0
+    prefix_groups: int = 1
 
     @classmethod
     def of_record(cls, record: Mapping[str, Any]) -> PointKey:
@@ -78,6 +84,8 @@ class PointKey:
             max_new_tokens=int(record["max_new_tokens"]),
             concurrency=int(record["concurrency"]),
             request_rate=rate_from_json(record["request_rate"]),
+            prefix_tokens=int(record.get("prefix_tokens", 0)),  # absent in records older than the key
+            prefix_groups=int(record.get("prefix_groups", 1)),
         )
 
 

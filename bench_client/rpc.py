@@ -116,6 +116,7 @@ class Chunk:
     prompt_tokens: int | None
     completion_tokens: int | None
     timing: EngineTiming | None
+    cached_prompt_tokens: int | None = None  # of prompt_tokens, those whose KV came from the prefix cache
 
 
 class EngineClient:
@@ -218,12 +219,14 @@ class EngineClient:
         else:
             metadata = list(self._metadata)
         call = self._stub.Decode(request, timeout=timeout, metadata=metadata)
-        output_tokens, input_tokens = 0, None
+        output_tokens, input_tokens, cached_tokens = 0, None, None
         try:
             async for message in call:
                 chunk = _chunk(message, time.perf_counter())
                 output_tokens += chunk.num_tokens
                 input_tokens = chunk.prompt_tokens or input_tokens
+                if chunk.cached_prompt_tokens is not None:
+                    cached_tokens = chunk.cached_prompt_tokens
                 yield chunk
         except grpc.aio.AioRpcError as err:
             error = from_rpc_error(err)
@@ -240,6 +243,8 @@ class EngineClient:
             span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
             if input_tokens is not None:
                 span.set_attribute("gen_ai.usage.input_tokens", input_tokens)  # as the engine counted them
+            if cached_tokens is not None:  # of the input tokens, those served from the engine's prefix cache
+                span.set_attribute("gen_ai.usage.cache_read.input_tokens", cached_tokens)
             span.end()
 
 
@@ -270,6 +275,7 @@ def _chunk(message: engine_pb2.DecodeResponse, received_at: float) -> Chunk:
         if last else None,
         prompt_tokens=message.usage.prompt_tokens if message.HasField("usage") else None,
         completion_tokens=message.usage.completion_tokens if message.HasField("usage") else None,
+        cached_prompt_tokens=message.usage.cached_prompt_tokens if message.HasField("usage") else None,
         timing=EngineTiming(
             queue_seconds=message.timing.queue_seconds,
             time_to_first_token_seconds=message.timing.time_to_first_token_seconds,

@@ -68,8 +68,9 @@ class _KnownSkip:
 def grid_points(config: SweepConfig) -> list[PointSpec]:
     """The points of one engine configuration, smallest context first (so skips propagate)."""
     w = config.workload
-    return [PointSpec(c, n, x, r) for c, n, x, r in itertools.product(
-        sorted(w.context_tokens), w.max_new_tokens, w.concurrency, w.request_rate)]
+    return [PointSpec(c, n, x, r, prefix_tokens=w.prefix_tokens, prefix_groups=w.prefix_groups)
+            for c, n, x, r in itertools.product(sorted(w.context_tokens), w.max_new_tokens, w.concurrency,
+                                                w.request_rate)]
 
 
 class _Observer:
@@ -274,7 +275,7 @@ class SweepRunner:
 
     def _key(self, engine: dict[str, Any] | None, spec: PointSpec) -> PointKey:
         return PointKey(engine_key(engine), spec.context_tokens, spec.max_new_tokens, spec.concurrency,
-                        spec.request_rate)
+                        spec.request_rate, spec.prefix_tokens, spec.prefix_groups)
 
 
 def _point_attributes(spec: PointSpec, engine: dict[str, Any] | None, target: str) -> dict[str, Any]:
@@ -284,6 +285,8 @@ def _point_attributes(spec: PointSpec, engine: dict[str, Any] | None, target: st
         "bench.point.max_new_tokens": spec.max_new_tokens,
         "bench.point.concurrency": spec.concurrency,
         "bench.point.request_rate": rate_to_json(spec.request_rate),  # requests/s, or "inf"
+        "bench.point.prefix_tokens": spec.prefix_tokens,
+        "bench.point.prefix_groups": spec.prefix_groups,
         "gen_ai.request.max_tokens": spec.max_new_tokens,
         "bench.target": target,
         **{f"bench.engine.{key}": value for key, value in (engine or {}).items()},

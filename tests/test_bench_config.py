@@ -253,3 +253,56 @@ def test_the_preview_table() -> None:
 def test_preview_errors_are_named(preview: Any, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_config(base(preview=preview))
+
+
+# ---- workload.prefix_tokens and workload.prefix_groups ----------------------------------------------
+
+
+def prefixed(**keys: Any) -> dict[str, Any]:
+    return base(workload={"context_tokens": [64, 256], "max_new_tokens": [4], "concurrency": [1], **keys})
+
+
+def test_prefix_defaults_and_accepted_values() -> None:
+    workload = parse_config(prefixed()).workload
+    assert (workload.prefix_tokens, workload.prefix_groups) == (0, 1)
+    workload = parse_config(prefixed(prefix_tokens=48, prefix_groups=4)).workload
+    assert (workload.prefix_tokens, workload.prefix_groups) == (48, 4)
+    # equal to the smallest context: the unique part of those prompts is empty, which is allowed
+    assert parse_config(prefixed(prefix_tokens=64)).workload.prefix_tokens == 64
+    assert parse_config(prefixed(prefix_tokens=0, prefix_groups=1)).workload.prefix_groups == 1
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ({"prefix_tokens": 65},
+     "workload.prefix_tokens must be <= every workload.context_tokens value (the prefix is part of the prompt; "
+     "smallest 64), got 65"),
+    ({"prefix_tokens": 300, "prefix_groups": 2}, "workload.prefix_tokens must be <= every workload.context_tokens "
+                                                 "value (the prefix is part of the prompt; smallest 64), got 300"),
+    ({"prefix_tokens": -1}, "workload.prefix_tokens must be >= 0, got -1"),
+    ({"prefix_tokens": 8.0}, "workload.prefix_tokens must be an integer, got 8.0"),
+    ({"prefix_tokens": "8"}, "workload.prefix_tokens must be an integer, got '8'"),
+    ({"prefix_tokens": [8, 16]}, "workload.prefix_tokens must be an integer, got [8, 16]"),
+    ({"prefix_tokens": True}, "workload.prefix_tokens must be an integer, got True"),
+    ({"prefix_tokens": 8, "prefix_groups": 0}, "workload.prefix_groups must be >= 1, got 0"),
+    ({"prefix_tokens": 8, "prefix_groups": -2}, "workload.prefix_groups must be >= 1, got -2"),
+    ({"prefix_tokens": 8, "prefix_groups": 2.5}, "workload.prefix_groups must be an integer, got 2.5"),
+    ({"prefix_tokens": 8, "prefix_groups": False}, "workload.prefix_groups must be an integer, got False"),
+    ({"prefix_groups": 3},
+     "workload.prefix_groups 3 needs workload.prefix_tokens >= 1 (groups of an empty prefix share nothing), "
+     "got prefix_tokens 0"),
+    ({"prefix_tokens": 0, "prefix_groups": 2}, "workload.prefix_groups 2 needs workload.prefix_tokens >= 1"),
+    ({"prefix_token": 8}, "unknown key workload.prefix_token (value 8)"),
+])
+def test_bad_prefix_values_are_named(keys: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(prefixed(**keys))
+
+
+def test_cli_exits_2_on_a_prefix_longer_than_a_context(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('target = "127.0.0.1:1"\n[workload]\ncontext_tokens = [80, 32]\nmax_new_tokens = [4]\n'
+                   'concurrency = [1]\nprefix_tokens = 64\nprefix_groups = 2\n')
+    assert main(["sweep", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert ("workload.prefix_tokens must be <= every workload.context_tokens value (the prefix is part of the "
+            "prompt; smallest 32), got 64") in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before the results directory and any request

@@ -129,3 +129,16 @@ def test_as_dict_is_plain_nested_data() -> None:
     assert m["ttft_ms"] == {"mean": pytest.approx(100.0), "median": pytest.approx(100.0), "p90": pytest.approx(100.0),
                             "p99": pytest.approx(100.0)}
     assert m["engine_queue_ms"] == {"mean": None, "median": None, "p90": None, "p99": None}
+
+
+def test_cached_prompt_tokens_total_and_mean_per_completed_request() -> None:
+    a = RequestTimeline(sent_at=0.0, arrivals=(Arrival(0.1, 1),), prompt_tokens=80, cached_prompt_tokens=64)
+    b = RequestTimeline(sent_at=0.0, arrivals=(Arrival(0.1, 1),), prompt_tokens=80, cached_prompt_tokens=0)
+    c = timeline(0.0, (0.1, 1), prompt=80)  # an engine that reports none: 0
+    assert c.cached_prompt_tokens == 0
+    m = compute([a, b, c], duration_s=1.0)
+    assert m.total_cached_prompt_tokens == 64 and m.mean_cached_prompt_tokens == pytest.approx(64 / 3)
+    assert m.total_input_tokens == 240  # cached tokens are part of the prompt tokens, not added to them
+    empty = compute([], duration_s=1.0)
+    assert empty.total_cached_prompt_tokens == 0 and empty.mean_cached_prompt_tokens is None
+    assert compute([a], duration_s=1.0).as_dict()["mean_cached_prompt_tokens"] == 64.0

@@ -86,3 +86,58 @@ def test_report_command(tmp_path: Path, capsys) -> None:  # type: ignore[no-unty
     out = capsys.readouterr().out
     assert "CONTEXT_LENGTH_EXCEEDED" in out and (tmp_path / THROUGHPUT_PLOT).exists()
     assert main(["report", str(tmp_path / "missing")]) == 2
+
+
+def cached_request(index: int, cached: int) -> RequestOutcome:
+    timeline = RequestTimeline(sent_at=0.0, arrivals=(Arrival(0.01, 1), Arrival(0.03, 3)), prompt_tokens=96,
+                               cached_prompt_tokens=cached)
+    return RequestOutcome(index=index, warmup=False, attempts=1, timeline=timeline)
+
+
+def table_rows(records_: list[dict]) -> list[list[str]]:
+    buffer = io.StringIO()
+    print_table(records_, Console(file=buffer, width=300))
+    return [[cell.strip() for cell in line.replace("┃", "│").split("│")[1:-1]]
+            for line in buffer.getvalue().splitlines() if line.startswith(("│", "┃"))]
+
+
+def test_table_shows_the_prefix_and_the_mean_cached_prompt_tokens() -> None:
+    spec = PointSpec(96, 4, 1, math.inf, prefix_tokens=64, prefix_groups=4)
+    outcome = PointOutcome(spec, (cached_request(0, 0), cached_request(1, 64), cached_request(2, 80)),
+                           duration_s=0.5, retries=0)
+    record = records.point_record(outcome, engine=None, target="t", server_info=INFO, run_id="r", started_at=0.0,
+                                  warmup=0, max_error_rate=0.1)
+    assert (record["prefix_tokens"], record["prefix_groups"]) == (64, 4)
+    assert record["metrics"]["total_cached_prompt_tokens"] == 144
+    assert record["metrics"]["mean_cached_prompt_tokens"] == 48.0
+    header, row = table_rows([record])
+    assert row[header.index("prefix")] == "64 x4" and row[header.index("ctx")] == "96"
+    assert row[header.index("cached")] == "48.0"
+
+
+def test_records_older_than_the_prefix_keys_still_print_and_plot(tmp_path: Path) -> None:
+    old = [json.loads(json.dumps(r)) for r in sample_records()]
+    for r in old:
+        for key in ("prefix_tokens", "prefix_groups"):
+            del r[key]
+        if r["metrics"] is not None:
+            for key in ("total_cached_prompt_tokens", "mean_cached_prompt_tokens"):
+                del r["metrics"][key]
+    header, *rows = table_rows(old)
+    ok = [row for row in rows if row[header.index("status")] == "ok"]
+    skipped = [row for row in rows if row[header.index("status")] == "skipped"]
+    assert ok and all(row[header.index("prefix")] == "0" and row[header.index("cached")] == "0.0" for row in ok)
+    assert skipped and all(row[header.index("cached")] == "-" for row in skipped)
+    assert len(write_plots(old, tmp_path)) == 2
+    (tmp_path / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in old))
+    assert main(["report", str(tmp_path)]) == 0
+
+
+def test_plots_facet_by_prefix_when_points_have_one(tmp_path: Path) -> None:
+    mixed = sample_records()
+    for prefix in (0, 16):
+        spec = PointSpec(32, 4, 2, math.inf, prefix_tokens=prefix, prefix_groups=1)
+        outcome = PointOutcome(spec, (cached_request(0, prefix),), duration_s=0.5, retries=0)
+        mixed.append(records.point_record(outcome, engine={"max_batch": 4}, target="t", server_info=INFO,
+                                          run_id="r", started_at=0.0, warmup=0, max_error_rate=0.1))
+    assert {p.name for p in write_plots(mixed, tmp_path)} == {THROUGHPUT_PLOT, LATENCY_PLOT}

@@ -125,3 +125,25 @@ def test_detail_lines_are_written_as_they_go(tmp_path: Path) -> None:
     results.append_request({"index": 0, "status": "ok"})
     assert json.loads((tmp_path / "out" / "requests.jsonl").read_text())["index"] == 0
     results.close()
+
+
+def test_prefix_settings_are_part_of_the_point_key_and_old_records_resume(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    old = record(64)  # written before prefix_tokens / prefix_groups existed: no such keys
+    assert "prefix_tokens" not in old
+    (out / RESULTS).write_text(json.dumps(old) + "\n")
+    resumed = ResultsDir.open(out, resume=True)
+    assert resumed.records == [old]
+    # the old point reads as prefix 0, one group: the same point as a new one without a prefix ...
+    assert resumed.done == {PointKey("null", 64, 16, 1, float("inf"), 0, 1)}
+    assert PointKey("null", 64, 16, 1, float("inf")) in resumed.done
+    with pytest.raises(ValueError, match="already recorded"):
+        resumed.append_point({**record(64), "prefix_tokens": 0, "prefix_groups": 1})
+    # ... and a point with a shared prefix is another point, recorded next to it, and so resumed
+    resumed.append_point({**record(64), "prefix_tokens": 32, "prefix_groups": 1})
+    resumed.append_point({**record(64), "prefix_tokens": 32, "prefix_groups": 4})
+    again = ResultsDir.open(out, resume=True)
+    assert again.done == {PointKey("null", 64, 16, 1, float("inf"), 0, 1),
+                          PointKey("null", 64, 16, 1, float("inf"), 32, 1),
+                          PointKey("null", 64, 16, 1, float("inf"), 32, 4)}
