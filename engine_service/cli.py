@@ -8,7 +8,15 @@ import os
 import sys
 from pathlib import Path
 
-from engine_service.config import DTYPES, QUANTIZE_METHODS, EngineConfig, ServerConfig
+from engine_service.config import (
+    BLOCK_TOKENS,
+    DEFAULT_PREFILL_TOKENS,
+    DEFAULT_PREFIX_CACHE_TOKENS,
+    DTYPES,
+    QUANTIZE_METHODS,
+    EngineConfig,
+    ServerConfig,
+)
 from engine_service.faults import FaultPlan
 from engine_service.model.presets import DEFAULT_MODEL, PACKAGED, PRESETS
 from shared.logging import configure_logging
@@ -44,9 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=4096, help="largest max_new_tokens a request may ask")
     s.add_argument("--queue-capacity", type=int, default=256,
                    help="waiting requests beyond the running batch; more get RESOURCE_EXHAUSTED/QUEUE_FULL")
-    s.add_argument("--max-prefill-tokens", type=int, default=2048,
-                   help="padded prompt tokens prefilled in one step (at least one prompt is always admitted); "
-                        "bounds how long running sequences wait for newcomers' prefill")
+    s.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_PREFILL_TOKENS,
+                   help="prompt tokens prefilled in one step, in chunks, beside the decoding rows: a smaller "
+                        "budget keeps running streams' inter-token gaps short while a long prompt prefills, a "
+                        "larger one prefills faster (see README)")
+    s.add_argument("--prefix-cache-tokens", type=int, default=DEFAULT_PREFIX_CACHE_TOKENS,
+                   help=f"tokens of computed prompt keys and values kept for reuse by prompts with the same "
+                        f"prefix, in blocks of {BLOCK_TOKENS}; 0 turns the prefix cache off")
     s.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per stream message after the first (as vLLM's --stream-interval): fewer, larger "
                         "messages cost less CPU at high throughput; the first token and the end are sent at once")
@@ -88,6 +100,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         model=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
         max_context=args.max_context, max_new_tokens_limit=args.max_new_tokens, queue_capacity=args.queue_capacity,
         queue_retry_seconds=args.queue_retry_seconds, max_prefill_tokens=args.max_prefill_tokens,
+        prefix_cache_tokens=args.prefix_cache_tokens,
         stream_interval=args.stream_interval,
         stall_seconds=args.stall_seconds,
         faults=FaultPlan.parse(args.fault), threads=args.threads, quantize=args.quantize,

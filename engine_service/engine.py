@@ -21,6 +21,7 @@ from engine_service.faults import FaultInjector
 from engine_service.loop import DecodeLoop, Emission, set_threads
 from engine_service.model.loader import LoadedModel, load_model
 from engine_service.model_runner import ModelRunner
+from engine_service.prefix_cache import PrefixCache
 from engine_service.requests import Limits, Request
 from engine_service.scheduler import LoadSnapshot, Scheduler
 from engine_service.sequence import FinishReason, Sequence
@@ -164,13 +165,16 @@ class Engine:
         self._scheduler = Scheduler(cfg.max_batch, cfg.max_context, cfg.queue_capacity, cfg.queue_retry_seconds,
                                     prefill_token_budget=cfg.max_prefill_tokens)
         self._loop_thread = DecodeLoop(runner, self._scheduler, FaultInjector(cfg.faults),
-                                       _end_tokens(loaded), self._deliver_threadsafe, self._fatal_threadsafe)
+                                       _end_tokens(loaded), self._deliver_threadsafe, self._fatal_threadsafe,
+                                       PrefixCache(cfg.prefix_cache_tokens))
         self._loop_thread.start()
         self._stall_watch = asyncio.create_task(self._watch_stalls(cfg.stall_seconds))
         self.ready.set()
         log.info("engine_ready", model=loaded.name, device=str(device), dtype=cfg.dtype, quantize=cfg.quantize,
                  trace_decode=cfg.trace_decode,
                  kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
+                 max_prefill_tokens=cfg.max_prefill_tokens, prefix_cache_tokens=cfg.prefix_cache_tokens,
+                 prefix_cache_bytes=runner.cache.bytes_per_token() * cfg.prefix_cache_tokens,
                  tokenizer=loaded.tokenizer.kind)
 
     def on_fatal(self, callback: Callable[[BaseException], None]) -> None:

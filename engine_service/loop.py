@@ -1,6 +1,7 @@
 """The decode loop: its own thread, and the one place that decides recovery.
 
-One step reads top to bottom: drop -> admit -> forward -> sample -> emit -> retire.
+One step reads top to bottom: drop -> admit -> plan -> forward -> sample -> emit -> retire. The
+forward decodes the decoding rows and prefills this step's prompt chunks together (scheduler.py).
 A SequenceError aborts that one sequence and the others go on untouched. Anything else is not
 understood here: it is logged as `engine_fatal` with its traceback and the process exits
 non-zero (the supervisor restarts it in a known-good state). There is no retry loop.
@@ -19,6 +20,7 @@ import torch
 
 from engine_service.faults import FaultInjector
 from engine_service.model_runner import ModelRunner
+from engine_service.prefix_cache import PrefixCache
 from engine_service.sampler import new_generator, sample
 from engine_service.scheduler import Scheduler
 from engine_service.sequence import FinishReason, Sequence
@@ -46,8 +48,10 @@ Deliver = Callable[[list[Emission]], None]
 
 class DecodeLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, faults: FaultInjector, end_token_ids: frozenset[int],
-                 deliver: Deliver, on_fatal: Callable[[BaseException], None]) -> None:
+                 deliver: Deliver, on_fatal: Callable[[BaseException], None],
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.runner = runner
+        self.prefix_cache = prefix_cache or PrefixCache(0)
         self.scheduler = scheduler
         self.faults = faults
         self.end_token_ids = end_token_ids
@@ -55,6 +59,7 @@ class DecodeLoop:
         self._on_fatal = on_fatal
         self.steps = 0
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+        scheduler.publish_load(self.prefix_cache.stats())
 
     def start(self) -> None:
         self._thread.start()
@@ -82,47 +87,58 @@ class DecodeLoop:
     def step(self) -> None:
         now = time.monotonic()
         out: list[Emission] = []
-        sched = self.scheduler
+        sched, cache, prefix = self.scheduler, self.runner.cache, self.prefix_cache
         # drop: cancelled and expired sequences free their rows before anything runs
         for seq in sched.take_dropped_waiting(now):
             out.append(self._dropped(seq, now))
-        for seq in sched.remove_rows(sched.rows_to_drop(now), self.runner.cache.move_row):
+        for seq in sched.remove_rows(sched.rows_to_drop(now), cache.move_row):
             out.append(self._dropped(seq, now))
-        # admit
-        n_old = len(sched.running)
-        admitted = sched.admit()
+        # admit, and plan: the decoding rows, and prompt chunks within the prefill budget
+        sched.admit()
         if not sched.running:
-            sched.publish_load()
+            sched.publish_load(prefix.stats())
             self._deliver(out)
             return
         self.steps += 1
         self.faults.before_forward(self.steps)
-        # forward + sample
-        for seq in admitted:
-            seq.timings.prefill_started = now
-            seq.generator = new_generator(seq.request.sampling, self.runner.device)
-        logits = self.runner.forward(sched.running, n_old)
-        running = sched.running
-        tokens = sample(logits, [s.request.sampling for s in running], [s.generator for s in running])
+        decoding = sched.running[:sched.decoding]
+        prefills = sched.plan_prefill(lambda seq, row: self._start(seq, row, now))
+        # forward + sample: the decoding rows, then the prompts whose last chunk this is
+        logits = self.runner.forward(decoding, prefills)
+        for p in prefills:
+            p.seq.cache_len = p.chunk.start + p.chunk.length
+            prefix.offer(p.seq.request.prompt_ids, cache, p.chunk.row, p.seq.cache_len)
+        producing = decoding + [p.seq for p in prefills if p.completes]
+        tokens = sample(logits, [s.request.sampling for s in producing], [s.generator for s in producing])
         # emit: one sequence failing is that sequence's business alone
         emitted_at = time.monotonic()
-        doomed = self.faults.doomed_rows(self.steps, [s.request_id for s in running], [len(s.generated) for s in running])
-        finished: list[int] = []
-        for row, (seq, token) in enumerate(zip(running, tokens, strict=True)):
+        doomed = self.faults.doomed_rows(self.steps, [s.request_id for s in producing],
+                                         [len(s.generated) for s in producing])
+        finished: list[Sequence] = []
+        for i, (seq, token) in enumerate(zip(producing, tokens, strict=True)):
             try:
-                out.append(self._emit(seq, token, row in doomed, emitted_at))
+                out.append(self._emit(seq, token, i in doomed, emitted_at))
             except SequenceError as err:
                 log.warning("sequence_aborted", request_id=seq.request_id, **seq.trace, reason=err.reason,
                             cause=err.metadata.get("cause"))
                 out.append(Emission(seq, (), error=err, at=emitted_at))
-                finished.append(row)
+                finished.append(seq)
                 continue
             if out[-1].finish is not None:
-                finished.append(row)
+                finished.append(seq)
+                prefix.offer(seq.request.prompt_ids + tuple(seq.generated), cache, sched.running.index(seq),
+                             seq.cache_len)  # its generated blocks too, so that the next turn hits
         # retire
-        sched.remove_rows(finished, self.runner.cache.move_row)
-        sched.publish_load()
+        sched.promote(producing[len(decoding):], cache.swap_rows)
+        sched.remove_rows([sched.running.index(s) for s in finished], cache.move_row)
+        sched.publish_load(prefix.stats())
         self._deliver(out)
+
+    def _start(self, seq: Sequence, row: int, now: float) -> None:
+        """A sequence's prefill begins: its generator, and the cached prefix of its prompt."""
+        seq.timings.prefill_started = now
+        seq.generator = new_generator(seq.request.sampling, self.runner.device)
+        seq.cache_len = seq.cached_tokens = self.prefix_cache.reuse(seq.request.prompt_ids, self.runner.cache, row)
 
     def _emit(self, seq: Sequence, token: int, doomed: bool, at: float) -> Emission:
         if doomed:

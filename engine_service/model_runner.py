@@ -1,5 +1,6 @@
-"""Runs the model for one step of the decode loop: a batched decode of the running rows and a
-batched prefill of the rows just admitted."""
+"""Runs the model for one step of the decode loop: one token for each decoding row, and this
+step's prompt chunks (scheduler.py), in one pass over the weights. A step with no chunk, the
+steady state, runs the traced decode (traced_decode.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from engine_service.model.llama import KVCache, LlamaForCausalLM
 from engine_service.model.quantize import quantize_model
 from engine_service.model.traced_decode import TracedDecode
+from engine_service.scheduler import Prefill
 from engine_service.sequence import Sequence
 
 log = structlog.get_logger()
@@ -34,21 +36,14 @@ class ModelRunner:
             except RuntimeError as err:  # the tracer's failures; eager decoding gives the same tokens, slower
                 log.warning("decode_trace_failed", error_type=type(err).__name__, error=str(err))
 
-    def forward(self, running: Seq[Sequence], n_old: int) -> torch.Tensor:
-        """Logits (n, V) for every running row: rows < n_old decode their last token, rows from
-        n_old on (just admitted) prefill their prompt."""
-        parts = []
-        if n_old:
-            old = running[:n_old]
-            tokens = torch.tensor([s.generated[-1] for s in old], dtype=torch.long, device=self.device)
-            positions = torch.tensor([s.cache_len for s in old], dtype=torch.long, device=self.device)
-            parts.append(self._decode(tokens, positions))
-        if len(running) > n_old:
-            new = running[n_old:]
-            lengths = [len(s.request.prompt_ids) for s in new]
-            padded = torch.zeros((len(new), max(lengths)), dtype=torch.long)
-            for i, s in enumerate(new):
-                padded[i, : lengths[i]] = torch.tensor(s.request.prompt_ids, dtype=torch.long)
-            parts.append(self.model.prefill(padded.to(self.device), torch.tensor(lengths, device=self.device),
-                                            self.cache, n_old))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def forward(self, decoding: Seq[Sequence], prefills: Seq[Prefill]) -> torch.Tensor:
+        """Logits (d + K, V): the `decoding` rows' (rows 0..d-1, each fed its last token), then the
+        last prompt token's of each prefill that completes its prompt."""
+        tokens = torch.tensor([s.generated[-1] for s in decoding], dtype=torch.long, device=self.device)
+        positions = torch.tensor([s.cache_len for s in decoding], dtype=torch.long, device=self.device)
+        if not prefills:
+            return self._decode(tokens, positions)
+        chunk_tokens = torch.tensor([t for p in prefills for t in p.seq.request.prompt_ids[
+            p.chunk.start:p.chunk.start + p.chunk.length]], dtype=torch.long, device=self.device)
+        return self.model.step(tokens, positions, chunk_tokens, [p.chunk for p in prefills], self.cache,
+                               logits_of=[i for i, p in enumerate(prefills) if p.completes])

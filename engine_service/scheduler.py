@@ -1,17 +1,42 @@
-"""Waiting and running sequences: admission, the bounded queue, deadlines and cancellation.
+"""Waiting and running sequences: admission, chunked prefill, the bounded queue, deadlines and
+cancellation.
 
 The event loop thread calls `submit` and `wake`; the decode loop thread calls everything else.
-Running sequences are kept packed in KV cache rows 0..n-1 (see KVCache).
+Running sequences are kept packed in KV cache rows 0..n-1 (see KVCache): rows 0..decoding-1
+decode one token a step (the traced decode reads them as one batch), and the rows after them are
+still prefilling their prompts. Each step, prompts are prefilled in chunks within the per-step
+prefill token budget, oldest admission first, so a long prompt takes several steps and the
+decoding rows go on in every one of them (`plan_prefill`); a prompt whose last chunk ran has its
+first token and its row joins the decoding ones (`promote`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from engine_service.model.llama import Chunk
+from engine_service.prefix_cache import PrefixCacheStats
 from engine_service.sequence import Sequence
 from shared.errors import QueueFull
+
+MoveRow = Callable[[int, int, int], None]  # (src, dst, length): KVCache.move_row
+SwapRows = Callable[[int, int, int, int], None]  # (a, b, length_a, length_b): KVCache.swap_rows
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """One step's chunk of a sequence's prompt."""
+
+    seq: Sequence
+    chunk: Chunk
+
+    @property
+    def completes(self) -> bool:
+        """The chunk ends the prompt, so this step samples the sequence's first token."""
+        return self.chunk.start + self.chunk.length == len(self.seq.request.prompt_ids)
 
 
 @dataclass(frozen=True)
@@ -21,6 +46,7 @@ class LoadSnapshot:
     kv_cache_used_tokens: int = 0
     kv_cache_capacity_tokens: int = 0
     requests_finished: int = 0
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
 
 class Scheduler:
@@ -32,6 +58,8 @@ class Scheduler:
         self.queue_retry_seconds = queue_retry_seconds
         self.prefill_token_budget = prefill_token_budget
         self.running: list[Sequence] = []
+        self.decoding = 0  # running[:decoding] decode; the rest are prefilling
+        self._admissions = 0
         self._waiting: deque[Sequence] = deque()
         self._cond = threading.Condition()
         self._stopped = False
@@ -79,41 +107,74 @@ class Scheduler:
         return dropped
 
     def admit(self) -> list[Sequence]:
-        """Move waiting sequences into free rows, oldest first, within the prefill token budget.
-        The admitted sequences are appended to `running` (their rows follow the old ones)."""
+        """Move waiting sequences into free rows, oldest first; they are appended to `running`
+        (after every decoding row) and prefill from the next `plan_prefill` on."""
         admitted: list[Sequence] = []
-        longest = 0
         with self._cond:
             while self._waiting and len(self.running) + len(admitted) < self.max_batch:
-                prompt = len(self._waiting[0].request.prompt_ids)
-                longest_after = max(longest, prompt)
-                if admitted and longest_after * (len(admitted) + 1) > self.prefill_token_budget:
-                    break
-                admitted.append(self._waiting.popleft())
-                longest = longest_after
+                seq = self._waiting.popleft()
+                seq.admitted = self._admissions
+                self._admissions += 1
+                admitted.append(seq)
         self.running.extend(admitted)
         return admitted
+
+    def plan_prefill(self, start: Callable[[Sequence, int], None]) -> list[Prefill]:
+        """This step's prompt chunks: the prefilling rows in admission order, each given the rest of
+        its prompt or what remains of the budget, until the budget is spent. `start(seq, row)` is
+        called for a sequence about to prefill its first chunk (it may put a cached prefix into the
+        row and advance `cache_len`)."""
+        budget = self.prefill_token_budget
+        plans: list[Prefill] = []
+        for row in sorted(range(self.decoding, len(self.running)), key=lambda r: self.running[r].admitted):
+            if budget == 0:
+                break
+            seq = self.running[row]
+            if seq.timings.prefill_started is None:
+                start(seq, row)
+            length = min(len(seq.request.prompt_ids) - seq.cache_len, budget)
+            plans.append(Prefill(seq, Chunk(row, seq.cache_len, length)))
+            budget -= length
+        return plans
+
+    def promote(self, seqs: list[Sequence], swap_rows: SwapRows) -> None:
+        """`seqs`, prefilling rows that have just produced their first token, join the decoding
+        rows: each is swapped with the first prefilling row unless it is that row already."""
+        for seq in seqs:
+            row, first = self.running.index(seq), self.decoding
+            if row != first:
+                other = self.running[first]
+                swap_rows(first, row, other.cache_len, seq.cache_len)
+                self.running[first], self.running[row] = seq, other
+            self.decoding += 1
 
     def rows_to_drop(self, now: float) -> list[int]:
         """Rows of running sequences that were cancelled or whose deadline passed."""
         return [row for row, s in enumerate(self.running) if s.cancelled or _expired(s, now)]
 
-    def remove_rows(self, rows: list[int], move_row) -> list[Sequence]:  # type: ignore[no-untyped-def]
-        """Retire `rows`, keeping the rest packed: the last running row moves into each hole
+    def remove_rows(self, rows: list[int], move_row: MoveRow) -> list[Sequence]:
+        """Retire `rows`, keeping both kinds packed: the last decoding row moves into a decoding
+        hole, and the last row of all into the hole that leaves (or into a prefilling hole)
         (`move_row(src, dst, length)` copies its KV). Returns the removed sequences."""
         removed = []
-        for row in sorted(rows, reverse=True):
-            last = len(self.running) - 1
+        for row in sorted(rows, reverse=True):  # so that every row still to remove stays where it is
             removed.append(self.running[row])
-            if row != last:
-                moved = self.running[last]
-                move_row(last, row, moved.cache_len)
-                self.running[row] = moved
+            if row < self.decoding:
+                self.decoding -= 1
+                self._move(self.decoding, row, move_row)
+                row = self.decoding
+            self._move(len(self.running) - 1, row, move_row)
             self.running.pop()
         self.finished_count += len(removed)
         return removed
 
-    def publish_load(self) -> None:
+    def _move(self, src: int, dst: int, move_row: MoveRow) -> None:
+        if src != dst:
+            moved = self.running[src]
+            move_row(src, dst, moved.cache_len)
+            self.running[dst] = moved
+
+    def publish_load(self, prefix_cache: PrefixCacheStats | None = None) -> None:
         with self._cond:
             waiting = len(self._waiting)
         self.load = LoadSnapshot(
@@ -122,6 +183,7 @@ class Scheduler:
             kv_cache_used_tokens=sum(s.cache_len for s in self.running),
             kv_cache_capacity_tokens=self.max_batch * self.max_context,
             requests_finished=self.finished_count,
+            prefix_cache=prefix_cache or self.load.prefix_cache,
         )
 
     def waiting_count(self) -> int:

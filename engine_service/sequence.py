@@ -37,6 +37,8 @@ class Sequence:
     trace: dict[str, str] = field(default_factory=dict)
     generated: list[int] = field(default_factory=list)
     cache_len: int = 0  # tokens whose keys and values are in the cache
+    cached_tokens: int = 0  # of the prompt's, those copied from the prefix cache
+    admitted: int = -1  # the scheduler's admission count when it took this sequence (prefill order)
     generator: torch.Generator | None = None
     timings: Timings = field(default_factory=Timings)
     cancelled: bool = False
@@ -44,6 +46,11 @@ class Sequence:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of the prompt is not in the cache yet (it has produced no token)."""
+        return not self.generated
 
     @property
     def total_len(self) -> int:

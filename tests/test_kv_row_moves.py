@@ -15,7 +15,7 @@ from engine_service.loop import DecodeLoop, Emission
 from engine_service.model.loader import load_model
 from engine_service.model_runner import ModelRunner
 from engine_service.requests import Request, SamplingParams
-from engine_service.scheduler import Scheduler
+from engine_service.scheduler import Prefill, Scheduler
 from engine_service.sequence import Sequence
 
 CPU = torch.device("cpu")
@@ -49,9 +49,14 @@ class Recorder:
         self.moves.append((src, dst, length))
         self.runner.cache.move_row(src, dst, length)
 
-    def forward(self, running: list[Sequence], n_old: int) -> torch.Tensor:
-        logits = self.runner.forward(running, n_old)
-        for row, seq in enumerate(running):
+    def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        self.moves.append((a, b, -1))
+        self.runner.cache.swap_rows(a, b, length_a, length_b)
+
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill]) -> torch.Tensor:
+        logits = self.runner.forward(decoding, prefills)
+        producing = decoding + [p.seq for p in prefills if p.completes]
+        for row, seq in enumerate(producing):
             self.logits.setdefault(seq.request_id, []).append(logits[row].clone())
         return logits
 

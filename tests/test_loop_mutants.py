@@ -18,7 +18,7 @@ from engine_service import loop as loop_module
 from engine_service.faults import FaultInjector, FaultPlan
 from engine_service.loop import FATAL_EXIT_CODE, DecodeLoop, Emission, set_threads
 from engine_service.requests import Request, SamplingParams
-from engine_service.scheduler import Scheduler
+from engine_service.scheduler import Prefill, Scheduler
 from engine_service.sequence import FinishReason, Sequence
 from shared.errors import DeadlineExceeded, SequenceError
 
@@ -36,10 +36,12 @@ class OneHotRunner:
     def move_row(self, src: int, dst: int, length: int) -> None:
         del src, dst, length
 
-    def forward(self, running: list[Sequence], n_old: int) -> torch.Tensor:
-        del n_old
+    def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        del a, b, length_a, length_b
+
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill]) -> torch.Tensor:
         self.forwards += 1
-        logits = torch.zeros(len(running), 8)
+        logits = torch.zeros(len(decoding) + sum(p.completes for p in prefills), 8)
         logits[:, 1] = 1.0
         return logits
 
@@ -47,8 +49,8 @@ class OneHotRunner:
 class ExtraRowRunner(OneHotRunner):
     """A runner with a shape bug: one row of logits more than sequences running."""
 
-    def forward(self, running: list[Sequence], n_old: int) -> torch.Tensor:
-        return torch.zeros(len(running) + 1, 8)
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill]) -> torch.Tensor:
+        return torch.zeros(len(decoding) + sum(p.completes for p in prefills) + 1, 8)
 
 
 def request(request_id: str, max_new: int = 3, deadline: float | None = None, sampling: SamplingParams | None = None,

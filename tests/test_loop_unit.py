@@ -12,7 +12,7 @@ import torch
 from engine_service.faults import FaultInjector, FaultPlan
 from engine_service.loop import DecodeLoop, Emission
 from engine_service.requests import Request, SamplingParams
-from engine_service.scheduler import Scheduler
+from engine_service.scheduler import Prefill, Scheduler
 from engine_service.sequence import FinishReason, Sequence
 from shared.errors import DeadlineExceeded, SequenceError
 
@@ -27,6 +27,9 @@ class FakeCache:
     def move_row(self, src: int, dst: int, length: int) -> None:
         self.moves.append((src, dst, length))
 
+    def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        self.moves.append((a, b, -1))
+
 
 class FakeRunner:
     """Greedy logits whose argmax is a pure function of the sequence: (first prompt id + its
@@ -37,10 +40,12 @@ class FakeRunner:
         self.cache = FakeCache()
         self.forwards: list[tuple[list[str], int]] = []
 
-    def forward(self, running: list[Sequence], n_old: int) -> torch.Tensor:
-        self.forwards.append(([s.request_id for s in running], n_old))
-        logits = torch.zeros(len(running), VOCAB)
-        for row, s in enumerate(running):
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill]) -> torch.Tensor:
+        """(the decoding rows and the prefilling ones, how many decode) for each forward"""
+        self.forwards.append(([s.request_id for s in decoding] + [p.seq.request_id for p in prefills], len(decoding)))
+        producing = decoding + [p.seq for p in prefills if p.completes]
+        logits = torch.zeros(len(producing), VOCAB)
+        for row, s in enumerate(producing):
             logits[row, expected_token(s.request.prompt_ids[0], s.total_len)] = 1.0
         return logits
 

@@ -1,12 +1,13 @@
 """The Scheduler alone, in-process and in milliseconds: the exact queue bound, admission within the
-batch and the prefill budget, deadlines and cancellation, and the packing of rows on retirement."""
+batch, chunked prefill within the per-step budget, deadlines and cancellation, and the packing of
+rows (decoding rows first) on promotion and retirement."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine_service.requests import Request, SamplingParams
-from engine_service.scheduler import Scheduler
+from engine_service.scheduler import Prefill, Scheduler
 from engine_service.sequence import Sequence
 from shared.errors import QueueFull
 
@@ -26,6 +27,16 @@ def scheduler(max_batch: int = 2, queue_capacity: int = 3, budget: int = 1000) -
 
 def ids(seqs: list[Sequence]) -> list[str]:
     return [s.request_id for s in seqs]
+
+
+class Swaps:
+    """Records `swap_rows(a, b, length_a, length_b)` calls in place of the KV cache."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int, int]] = []
+
+    def __call__(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        self.calls.append((a, b, length_a, length_b))
 
 
 class Moves:
@@ -93,26 +104,98 @@ def test_admit_fills_free_rows_oldest_first():
     assert ids(sched.running) == ["a", "c", "d"]
 
 
-def test_admit_stops_at_the_prefill_token_budget_but_always_takes_one():
-    # the padded prefill costs longest prompt x rows: 10 x 2 = 20 fits 25, 10 x 3 = 30 does not
+def chunks(plans: list[Prefill]) -> list[tuple[str, int, int, int, bool]]:
+    """(id, row, start, length, completes) of each planned chunk."""
+    return [(p.seq.request_id, p.chunk.row, p.chunk.start, p.chunk.length, p.completes) for p in plans]
+
+
+def run_chunks(plans: list[Prefill]) -> None:
+    """What the loop does after the forward: the chunk is in the cache."""
+    for p in plans:
+        p.seq.cache_len = p.chunk.start + p.chunk.length
+
+
+def test_admit_takes_every_free_row_whatever_the_prompts_cost():
+    sched = scheduler(max_batch=4, queue_capacity=5, budget=25)
+    for name, length in (("a", 40), ("b", 10), ("c", 1)):
+        sched.submit(seq(name, prompt_len=length))
+    assert ids(sched.admit()) == ["a", "b", "c"]  # the budget limits prefill per step, not admission
+    assert [s.admitted for s in sched.running] == [0, 1, 2]
+
+
+def test_prompts_are_prefilled_in_chunks_within_the_budget_oldest_first():
     sched = scheduler(max_batch=4, queue_capacity=5, budget=25)
     for name in "abc":
         sched.submit(seq(name, prompt_len=10))
-    assert ids(sched.admit()) == ["a", "b"]
-    assert ids(sched.admit()) == ["c"]  # the next step takes the rest
-    over = scheduler(max_batch=4, queue_capacity=5, budget=25)
-    over.submit(seq("long", prompt_len=40))
-    over.submit(seq("short", prompt_len=1))
-    assert ids(over.admit()) == ["long"]  # one prompt over the budget is still admitted, alone
-    assert ids(over.admit()) == ["short"]
+    sched.admit()
+    started: list[tuple[str, int]] = []
+    start = lambda s, row: started.append((s.request_id, row))  # noqa: E731
+    plans = sched.plan_prefill(start)
+    assert chunks(plans) == [("a", 0, 0, 10, True), ("b", 1, 0, 10, True), ("c", 2, 0, 5, False)]
+    assert started == [("a", 0), ("b", 1), ("c", 2)]
+    run_chunks(plans)
+    for s in sched.running:
+        s.timings.prefill_started = NOW
+    sched.promote([plans[0].seq, plans[1].seq], Swaps())
+    assert sched.decoding == 2
+    assert chunks(sched.plan_prefill(start)) == [("c", 2, 5, 5, True)]  # the rest of c, at its offset
+    assert len(started) == 3  # c's prefill had started: no second start
 
 
-def test_a_short_prompt_after_a_long_one_is_priced_at_the_longest():
-    sched = scheduler(max_batch=4, queue_capacity=5, budget=25)
-    sched.submit(seq("long", prompt_len=12))
-    sched.submit(seq("short", prompt_len=1))
-    sched.submit(seq("short2", prompt_len=1))
-    assert ids(sched.admit()) == ["long", "short"]  # 12 x 2 = 24 fits; 12 x 3 = 36 does not
+def test_a_prompt_longer_than_the_budget_takes_several_steps_and_completes_on_the_last():
+    sched = scheduler(max_batch=2, queue_capacity=5, budget=12)
+    sched.submit(seq("long", prompt_len=30))
+    sched.submit(seq("next", prompt_len=2))
+    sched.admit()
+    seen = []
+    for _ in range(3):
+        plans = sched.plan_prefill(lambda s, row: setattr(s.timings, "prefill_started", NOW))
+        seen.append(chunks(plans))
+        run_chunks(plans)
+    assert seen == [[("long", 0, 0, 12, False)], [("long", 0, 12, 12, False)],
+                    [("long", 0, 24, 6, True), ("next", 1, 0, 2, True)]]
+
+
+def test_a_chunk_starts_where_the_start_callback_left_the_cache():
+    sched = scheduler(max_batch=2, queue_capacity=5, budget=100)
+    sched.submit(seq("hit", prompt_len=40))
+    sched.admit()
+
+    def reuse(s: Sequence, row: int) -> None:  # as the prefix cache does on a hit of 32 tokens
+        s.timings.prefill_started = NOW
+        s.cache_len = 32
+
+    assert chunks(sched.plan_prefill(reuse)) == [("hit", 0, 32, 8, True)]
+
+
+def test_a_prefilled_row_behind_another_prefilling_row_is_swapped_to_join_the_decoding_rows():
+    sched = scheduler(max_batch=3, queue_capacity=5)
+    a, b, c = seq("a", cache_len=5), seq("b", cache_len=6), seq("c", cache_len=7)
+    for s in (a, b, c):
+        sched.submit(s)
+    sched.admit()
+    swaps = Swaps()
+    sched.promote([a], swaps)
+    assert swaps.calls == [] and sched.decoding == 1
+    sched.promote([c], swaps)  # c is in row 2, b (still prefilling) in row 1
+    assert swaps.calls == [(1, 2, 6, 7)] and ids(sched.running) == ["a", "c", "b"] and sched.decoding == 2
+
+
+def test_removing_a_decoding_row_keeps_decoding_rows_before_prefilling_ones():
+    sched = scheduler(max_batch=4, queue_capacity=5)
+    rows = [seq(n, cache_len=i + 5) for i, n in enumerate("abcd")]
+    for s in rows:
+        sched.submit(s)
+    sched.admit()
+    sched.promote(rows[:3], Swaps())  # a, b, c decode; d prefills
+    moves = Moves()
+    assert ids(sched.remove_rows([0], moves)) == ["a"]
+    # c (the last decoding row) fills a's row, then d (prefilling) fills c's
+    assert moves.calls == [(2, 0, 7), (3, 2, 8)]
+    assert ids(sched.running) == ["c", "b", "d"] and sched.decoding == 2
+    moves = Moves()
+    sched.remove_rows([1, 2], moves)  # b (decoding) and d (prefilling) at once
+    assert moves.calls == [] and ids(sched.running) == ["c"] and sched.decoding == 1
 
 
 # -- deadlines and cancellation ---------------------------------------------------------------

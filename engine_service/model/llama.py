@@ -9,6 +9,8 @@ G = H // KV, D head dim, L attended length.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +112,23 @@ def decode_mask(positions: torch.Tensor) -> torch.Tensor:
     return (span[None, :] <= positions[:, None]).view(positions.shape[0], 1, 1, length)
 
 
+class Chunk(NamedTuple):
+    """A run of one cache row's tokens at positions start..start+length-1; the row's positions
+    before `start` are already in the cache (an earlier chunk, or a reused prefix)."""
+
+    row: int
+    start: int
+    length: int
+
+
+def chunk_mask(chunk: Chunk, device: torch.device) -> torch.Tensor:
+    """(T, start + T) with True where the chunk's token i attends: every cached position, and
+    itself and the chunk's earlier tokens."""
+    keys = torch.arange(chunk.start + chunk.length, device=device)
+    queries = torch.arange(chunk.start, chunk.start + chunk.length, device=device)
+    return keys[None, :] <= queries[:, None]
+
+
 class KVCache(nn.Module):
     """Keys and values of every layer for `max_batch` rows of `max_context` tokens, allocated once.
 
@@ -130,6 +149,13 @@ class KVCache(nn.Module):
         """Copy the first `length` positions of row `src` into row `dst` (all layers)."""
         self.k[:, dst, :, :length].copy_(self.k[:, src, :, :length])
         self.v[:, dst, :, :length].copy_(self.v[:, src, :, :length])
+
+    def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        """Exchange rows `a` and `b` (their first `length_a` and `length_b` positions)."""
+        for t in (self.k, self.v):
+            kept = t[:, a, :, :length_a].clone()
+            t[:, a, :, :length_b].copy_(t[:, b, :, :length_b])
+            t[:, b, :, :length_a].copy_(kept)
 
     def bytes_per_token(self) -> int:
         layers, _, heads, _, dim = self.k.shape
@@ -162,27 +188,38 @@ class Attention(nn.Module):
         k = qk[:, :, h:].transpose(1, 2)  # (B, KV, T, D)
         return q, k, qkv[:, :, h + kv:].transpose(1, 2)
 
-    def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache, first_row: int) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self._qkv(x, cos, sin)
-        cache.k[self.layer, first_row:first_row + b, :, :t] = k
-        cache.v[self.layer, first_row:first_row + b, :, :t] = v
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-        return self.out(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
-
-    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-               rows: torch.Tensor, mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        b = x.shape[0]
-        q, k, v = self._qkv(x, cos, sin)  # q (B, H, 1, D), k/v (B, KV, 1, D)
-        cache.k[self.layer][rows, :, positions] = k[:, :, 0]
-        cache.v[self.layer][rows, :, positions] = v[:, :, 0]
-        length = mask.shape[-1]
-        keys = cache.k[self.layer, :b, :, :length]  # (B, KV, L, D), a view: no gather, no copy
-        values = cache.v[self.layer, :b, :, :length]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=self.heads != self.kv_heads)  # (B, H, 1, D)
-        return self.out(out.reshape(b, 1, self.heads * self.head_dim))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
+                positions: torch.Tensor, mask: torch.Tensor | None, chunks: Sequence[Chunk],
+                masks: Sequence[torch.Tensor], cache: KVCache) -> torch.Tensor:
+        """x (1, M, hidden): first one token for each of rows 0..d-1 (`rows`), at `positions` (d,),
+        attending as `mask` (d, 1, 1, L) says; then the chunks' tokens, one chunk after another. The
+        projections run over all M tokens at once; attention reads views of the cache, never a
+        gather: the decoding rows as one batch, each chunk over its own row."""
+        _, m, _ = x.shape
+        width = self.heads * self.head_dim
+        gqa = self.heads != self.kv_heads
+        q, k, v = self._qkv(x, cos, sin)  # q (1, H, M, D), k/v (1, KV, M, D)
+        d = rows.shape[0]
+        outs = []
+        if d:
+            cache.k[self.layer][rows, :, positions] = k[0, :, :d].transpose(0, 1)  # (d, KV, D)
+            cache.v[self.layer][rows, :, positions] = v[0, :, :d].transpose(0, 1)
+            length = mask.shape[-1]  # type: ignore[union-attr]
+            out = F.scaled_dot_product_attention(
+                q[0, :, :d].transpose(0, 1).unsqueeze(2), cache.k[self.layer, :d, :, :length],
+                cache.v[self.layer, :d, :, :length], attn_mask=mask, enable_gqa=gqa)  # (d, H, 1, D)
+            outs.append(out.reshape(d, width))
+        at = d
+        for chunk, chunk_mask_ in zip(chunks, masks, strict=True):
+            row, start, end = chunk.row, chunk.start, chunk.start + chunk.length
+            cache.k[self.layer, row, :, start:end] = k[0, :, at:at + chunk.length]
+            cache.v[self.layer, row, :, start:end] = v[0, :, at:at + chunk.length]
+            out = F.scaled_dot_product_attention(
+                q[:, :, at:at + chunk.length], cache.k[self.layer, row:row + 1, :, :end],
+                cache.v[self.layer, row:row + 1, :, :end], attn_mask=chunk_mask_, enable_gqa=gqa)  # (1, H, T, D)
+            outs.append(out[0].transpose(0, 1).reshape(chunk.length, width))
+            at += chunk.length
+        return self.out((outs[0] if len(outs) == 1 else torch.cat(outs)).view(1, m, width))
 
 
 class MLP(nn.Module):
@@ -278,23 +315,46 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, first_row: int,
                 all_logits: bool = False) -> torch.Tensor:
-        """Run right-padded prompts `tokens` (B, T) with true `lengths` (B,) into cache rows
-        first_row..first_row+B-1. Returns the logits of each prompt's last token (B, V), or of
-        every position (B, T, V) when `all_logits`."""
+        """Whole right-padded prompts `tokens` (B, T) with true `lengths` (B,) into cache rows
+        first_row..first_row+B-1 (`step` with each prompt one chunk at position 0, nothing
+        decoding). Returns the logits of each prompt's last token (B, V), or of every position
+        (B, T, V) when `all_logits` (zeros past a prompt's length)."""
         b, t = tokens.shape
-        cos = self.rope_cos[:t, None].expand(b, t, 1, -1)  # (B, T, 1, D)
-        sin = self.rope_signed_sin[:t, None].expand(b, t, 1, -1)
-        idx = torch.arange(t, device=tokens.device)
-        # (B, 1, T, T): causal, and keys past each prompt's length hidden
-        mask = (idx[None, :] <= idx[:, None])[None, None] & (idx[None, None, None, :] < lengths[:, None, None, None])
-        x = self.model.embed_tokens(tokens)
-        for layer in self.model.layers:
-            x = x + layer.self_attn.prefill(layer.input_layernorm(x), cos, sin, mask, cache, first_row)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if all_logits:
-            return self._logits(x)
-        last = x[torch.arange(b, device=x.device), lengths - 1]  # (B, hidden)
-        return self._logits(last)
+        lens = [int(n) for n in lengths.tolist()]
+        flat = torch.cat([tokens[i, :n] for i, n in enumerate(lens)])
+        chunks = [Chunk(first_row + i, 0, n) for i, n in enumerate(lens)]
+        none = flat[:0]
+        if not all_logits:
+            return self.step(none, none, flat, chunks, cache, logits_of=range(b))
+        every = self.step(none, none, flat, chunks, cache)  # (N, V)
+        out = every.new_zeros(b, t, every.shape[-1])
+        at = 0
+        for i, n in enumerate(lens):
+            out[i, :n] = every[at:at + n]
+            at += n
+        return out
+
+    @torch.inference_mode()
+    def step(self, decode_tokens: torch.Tensor, decode_positions: torch.Tensor, chunk_tokens: torch.Tensor,
+             chunks: Sequence[Chunk], cache: KVCache, logits_of: Sequence[int] | None = None) -> torch.Tensor:
+        """One step of continuous batching as one pass over the weights: rows 0..d-1 decode one
+        token each (`decode_tokens` at `decode_positions`, both (d,)), and `chunks` of prompts
+        prefill, their tokens one after another in `chunk_tokens` (N,), nothing padded. A chunk's
+        keys and values go into its row at its positions, and it attends to the row's cached
+        positions before it. Returns (d + K, V): the decoding rows' logits, then those of the last
+        token of each chunk numbered in `logits_of`; or every chunk token's (d + N, V) when None."""
+        device = chunk_tokens.device
+        d = decode_tokens.shape[0]
+        chunk_positions = [torch.arange(c.start, c.start + c.length) for c in chunks]
+        positions = torch.cat([decode_positions, *(p.to(device) for p in chunk_positions)])
+        mask = decode_mask(decode_positions) if d else None
+        hidden = self._forward(torch.cat([decode_tokens, chunk_tokens]), positions, torch.arange(d, device=device),
+                               mask, chunks, cache)
+        if logits_of is None:
+            return self._logits(hidden)
+        ends = d + torch.tensor([c.length for c in chunks], dtype=torch.long).cumsum(0) - 1
+        picked = torch.cat([torch.arange(d), ends[list(logits_of)]]).to(device)
+        return self._logits(hidden[picked])
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -304,12 +364,20 @@ class LlamaForCausalLM(nn.Module):
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                     cache: KVCache) -> torch.Tensor:
         """The body of `decode`, free of host synchronisation (a graph a compiler could take whole)."""
-        b = tokens.shape[0]
-        rows = torch.arange(b, device=tokens.device)
-        cos = self.rope_cos[positions].view(b, 1, 1, -1)  # (B, T=1, 1, D)
-        sin = self.rope_signed_sin[positions].view(b, 1, 1, -1)
-        x = self.model.embed_tokens(tokens).unsqueeze(1)  # (B, 1, hidden)
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        return self._logits(self._forward(tokens, positions, rows, mask, (), cache))
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None,
+                 chunks: Sequence[Chunk], cache: KVCache) -> torch.Tensor:
+        """The layers over M tokens (see `Attention.forward`); returns the final hidden states (M, hidden)."""
+        m = tokens.shape[0]
+        cos = self.rope_cos[positions].view(1, m, 1, -1)  # (B=1, T=M, 1, D)
+        sin = self.rope_signed_sin[positions].view(1, m, 1, -1)
+        decode_positions = positions[:rows.shape[0]]
+        masks = [chunk_mask(c, tokens.device) for c in chunks]
+        x = self.model.embed_tokens(tokens).unsqueeze(0)  # (1, M, hidden)
         for layer in self.model.layers:
-            x = x + layer.self_attn.decode(layer.input_layernorm(x), cos, sin, positions, rows, mask, cache)
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, rows, decode_positions, mask, chunks, masks,
+                                    cache)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self._logits(x[:, 0])
+        return x[0]

@@ -1,0 +1,174 @@
+"""Automatic prefix caching: computed keys and values of full blocks of prompt tokens, reused by
+later prompts that start with the same tokens (`--prefix-cache-tokens`, 0 turns it off).
+
+A block is BLOCK_TOKENS tokens at fixed positions (block i holds positions i*B..i*B+B-1). It is
+indexed by its parent block and its own tokens, so a block names its whole prefix, as vLLM's hash
+chained over the blocks does; here the key holds the parent's identity and the tokens themselves,
+so two different prefixes can never share an entry (no hash collision to trust).
+
+The KV cache keeps running sequences in packed rows (attention reads views, never gathers), so a
+hit is a copy: the matched blocks' keys and values are copied into the admitted sequence's row,
+and only the rest of its prompt is prefilled, at a position offset. Copying costs a few
+milliseconds for a thousand tokens, far below computing them.
+
+The store is a fixed number of block slots, allocated on first use with `torch.empty`, so resident
+memory grows with the blocks actually stored and never past the capacity. When it is full, the
+least recently used block that no other block extends is evicted first (a block's descendants are
+never newer than it: a lookup touches a chain leaf first), and a block pinned by the chain being
+read or written is never evicted under it.
+
+Only the decode loop thread calls this; `stats` is read through the published LoadSnapshot.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine_service.config import BLOCK_TOKENS
+from engine_service.model.llama import KVCache
+
+_ROOT = 0  # the parent id of a prompt's first block
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    used_tokens: int = 0
+    capacity_tokens: int = 0
+    queried_tokens: int = 0  # prompt tokens looked up, since start-up
+    hit_tokens: int = 0  # of those, tokens whose keys and values were reused
+
+
+@dataclass(eq=False)
+class _Block:
+    id: int
+    slot: int
+    key: tuple[int, tuple[int, ...]]  # (parent id, tokens)
+    parent: _Block | None
+    children: int = 0
+    pins: int = 0
+
+
+class PrefixCache:
+    """A bounded store of full blocks' keys and values; `capacity_tokens` 0 makes every call a no-op."""
+
+    def __init__(self, capacity_tokens: int) -> None:
+        if capacity_tokens < 0 or capacity_tokens % BLOCK_TOKENS:
+            raise ValueError(f"prefix cache tokens must be 0 (off) or a positive multiple of the block size "
+                             f"{BLOCK_TOKENS}, got {capacity_tokens!r}")
+        self.capacity_blocks = capacity_tokens // BLOCK_TOKENS
+        self._index: dict[tuple[int, tuple[int, ...]], _Block] = {}
+        self._lru: OrderedDict[int, _Block] = OrderedDict()  # oldest first
+        self._free = list(range(self.capacity_blocks - 1, -1, -1))
+        self._next_id = _ROOT + 1
+        self._k: torch.Tensor | None = None  # (slots, layers, KV heads, B, D), allocated on first store
+        self._v: torch.Tensor | None = None
+        self._queried = 0
+        self._hits = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity_blocks > 0
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(len(self._lru) * BLOCK_TOKENS, self.capacity_blocks * BLOCK_TOKENS, self._queried,
+                                self._hits)
+
+    def reuse(self, prompt: Sequence[int], cache: KVCache, row: int) -> int:
+        """Copy the longest cached prefix of `prompt` into `row` of `cache` (positions from 0) and
+        return its length in tokens: whole blocks, and never the prompt's last token, whose logits
+        the prefill must compute."""
+        if not self.enabled:
+            return 0
+        chain = self._walk(prompt, (len(prompt) - 1) // BLOCK_TOKENS)
+        self._queried += len(prompt)
+        if not chain:
+            return 0
+        self._hits += len(chain) * BLOCK_TOKENS
+        k, v = self._k, self._v
+        assert k is not None and v is not None  # a block exists, so the store was allocated
+        slots = torch.tensor([b.slot for b in chain], device=k.device)
+        layers, _, heads, _, dim = cache.k.shape
+        length = len(chain) * BLOCK_TOKENS
+        for store, target in ((k, cache.k), (v, cache.v)):  # (n, layers, KV, B, D) -> (layers, KV, n*B, D)
+            target[:, row, :, :length] = store[slots].permute(1, 2, 0, 3, 4).reshape(layers, heads, length, dim)
+        self._touch(chain)
+        return length
+
+    def offer(self, tokens: Sequence[int], cache: KVCache, row: int, length: int) -> None:
+        """Store the full blocks of `tokens[:length]`, whose keys and values are in `row` of
+        `cache`, that are not stored yet; evict to make room, and stop when nothing can be evicted."""
+        if not self.enabled:
+            return
+        chain = self._walk(tokens, length // BLOCK_TOKENS)
+        for block in chain:  # pinned: making room for this chain's new blocks never evicts its own
+            block.pins += 1
+        new: list[_Block] = []
+        first_new = len(chain)
+        try:
+            for i in range(len(chain), length // BLOCK_TOKENS):
+                slot = self._free.pop() if self._free else self._evict()
+                if slot is None:
+                    break
+                parent = chain[-1] if chain else None
+                block = _Block(self._next_id, slot, (_ROOT if parent is None else parent.id,
+                                                     tuple(tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS])), parent)
+                self._next_id += 1
+                self._index[block.key] = block
+                if parent is not None:
+                    parent.children += 1
+                block.pins += 1
+                chain.append(block)
+                new.append(block)
+        finally:
+            for block in chain:
+                block.pins -= 1
+        if new:
+            self._store(new, cache, row, first_new * BLOCK_TOKENS)
+        self._touch(chain)
+
+    def _walk(self, tokens: Sequence[int], blocks: int) -> list[_Block]:
+        """The stored blocks matching tokens' first `blocks` blocks, longest chain from the start."""
+        chain: list[_Block] = []
+        parent = _ROOT
+        for i in range(blocks):
+            block = self._index.get((parent, tuple(tokens[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS])))
+            if block is None:
+                break
+            chain.append(block)
+            parent = block.id
+        return chain
+
+    def _touch(self, chain: list[_Block]) -> None:
+        """Most recently used: the chain's leaf first, so that each ancestor is newer than its descendants."""
+        for block in reversed(chain):
+            self._lru.pop(block.id, None)
+            self._lru[block.id] = block
+
+    def _evict(self) -> int | None:
+        """Free the least recently used block that nothing extends and nothing pins; its slot, or None."""
+        victim = next((b for b in self._lru.values() if b.children == 0 and b.pins == 0), None)
+        if victim is None:
+            return None
+        del self._lru[victim.id]
+        del self._index[victim.key]
+        if victim.parent is not None:
+            victim.parent.children -= 1
+        return victim.slot
+
+    def _store(self, blocks: list[_Block], cache: KVCache, row: int, start: int) -> None:
+        """Copy consecutive blocks, the first at position `start`, from `row` into their slots."""
+        layers, _, heads, _, dim = cache.k.shape
+        if self._k is None:
+            shape = (self.capacity_blocks, layers, heads, BLOCK_TOKENS, dim)
+            self._k = torch.empty(shape, dtype=cache.k.dtype, device=cache.k.device)
+            self._v = torch.empty(shape, dtype=cache.v.dtype, device=cache.v.device)
+        n = len(blocks)
+        slots = torch.tensor([b.slot for b in blocks], device=cache.k.device)
+        for store, source in ((self._k, cache.k), (self._v, cache.v)):
+            part = source[:, row, :, start:start + n * BLOCK_TOKENS].reshape(layers, heads, n, BLOCK_TOKENS, dim)
+            store[slots] = part.permute(2, 0, 1, 3, 4)  # type: ignore[index]
+
