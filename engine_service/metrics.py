@@ -67,6 +67,15 @@ class EngineMetrics:
                                       description="KV cache slots holding tokens")
         meter.create_observable_gauge("engine.kv_cache.usage", [self._observe_kv_usage], unit="1",
                                       description="Fraction of the KV cache in use (0..1)")
+        # vLLM's prefix_cache_queries / prefix_cache_hits: prompt tokens looked up, and of those found
+        meter.create_observable_counter("engine.prefix_cache.queries", [self._observe_prefix_queries],
+                                        unit="{token}", description="Prompt tokens looked up in the prefix cache")
+        meter.create_observable_counter("engine.prefix_cache.hits", [self._observe_prefix_hits], unit="{token}",
+                                        description="Prompt tokens whose keys and values the prefix cache supplied")
+        meter.create_observable_gauge("engine.prefix_cache.used_tokens", [self._observe_prefix_used],
+                                      unit="{token}", description="Tokens of keys and values in the prefix cache")
+        meter.create_observable_gauge("engine.prefix_cache.usage", [self._observe_prefix_usage], unit="1",
+                                      description="Fraction of the prefix cache in use (0..1; 0 when it is off)")
 
     def record(self, sample: RequestSample) -> None:
         self.requests.add(1, {"status": sample.status, "reason": sample.reason})
@@ -94,6 +103,19 @@ class EngineMetrics:
         load = self._load()
         capacity = load.kv_cache_capacity_tokens
         return [Observation(load.kv_cache_used_tokens / capacity if capacity else 0.0)]
+
+    def _observe_prefix_queries(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(self._load().prefix_cache.queried_tokens)]
+
+    def _observe_prefix_hits(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(self._load().prefix_cache.hit_tokens)]
+
+    def _observe_prefix_used(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(self._load().prefix_cache.used_tokens)]
+
+    def _observe_prefix_usage(self, _options: CallbackOptions) -> Iterable[Observation]:
+        stats = self._load().prefix_cache
+        return [Observation(stats.used_tokens / stats.capacity_tokens if stats.capacity_tokens else 0.0)]
 
 
 @dataclass

@@ -108,6 +108,7 @@ class EngineServicer:
             return outcome
         seq = handle.seq
         return replace(outcome, prompt_tokens=len(seq.request.prompt_ids), output_tokens=len(seq.generated),
+                       cached_prompt_tokens=seq.cached_tokens,
                        timings=seq.timings)
 
     async def _stream(self, handle: Handle) -> AsyncIterator[pb.DecodeResponse]:
@@ -129,6 +130,7 @@ class EngineServicer:
                 response.finish_reason = FINISH_REASONS[chunk.finish]
                 response.usage.prompt_tokens = len(seq.request.prompt_ids)
                 response.usage.completion_tokens = len(seq.generated)
+                response.usage.cached_prompt_tokens = seq.cached_tokens
                 response.timing.queue_seconds = (t.prefill_started or t.accepted) - t.accepted
                 response.timing.time_to_first_token_seconds = (t.first_token or t.accepted) - t.accepted
                 response.timing.total_seconds = (t.last_token or t.accepted) - t.accepted
@@ -164,6 +166,8 @@ class EngineServicer:
             running_sequences=load.running_sequences, waiting_requests=self.engine.waiting(),
             kv_cache_used_tokens=load.kv_cache_used_tokens, kv_cache_capacity_tokens=load.kv_cache_capacity_tokens,
             requests_finished=load.requests_finished, draining=self.engine.draining,
+            prefix_cache_used_tokens=load.prefix_cache.used_tokens,
+            prefix_cache_capacity_tokens=load.prefix_cache.capacity_tokens,
         )
 
     def handler(self) -> grpc.GenericRpcHandler:

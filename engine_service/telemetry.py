@@ -43,6 +43,7 @@ class RequestOutcome:
     timings: Timings | None = None
     finish_reason: str | None = None
     model: str | None = None
+    cached_prompt_tokens: int | None = None  # of prompt_tokens, those the prefix cache supplied
 
     @property
     def reason(self) -> str:
@@ -88,7 +89,8 @@ class RequestTelemetry:
         if o.error is not None:
             fields["reason"] = o.error.reason
         if o.prompt_tokens is not None:
-            fields.update(prompt_tokens=o.prompt_tokens, output_tokens=o.output_tokens)
+            fields.update(prompt_tokens=o.prompt_tokens, output_tokens=o.output_tokens,
+                          cached_prompt_tokens=o.cached_prompt_tokens)
         t = o.timings
         if t is not None and t.prefill_started is not None:
             fields["queue_s"] = round(t.prefill_started - t.accepted, 6)
@@ -107,6 +109,8 @@ class RequestTelemetry:
         if o.prompt_tokens is not None:
             attributes["gen_ai.usage.input_tokens"] = o.prompt_tokens
             attributes["gen_ai.usage.output_tokens"] = o.output_tokens or 0
+            # the current GenAI semantic conventions' name (included in input_tokens, as they ask)
+            attributes["gen_ai.usage.cache_read.input_tokens"] = o.cached_prompt_tokens or 0
         if o.finish_reason is not None:
             attributes["gen_ai.response.finish_reasons"] = (o.finish_reason,)
         span.set_attributes(attributes)  # type: ignore[arg-type]

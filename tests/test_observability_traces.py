@@ -92,6 +92,7 @@ def test_a_successful_decode_continues_the_callers_trace(receiver, client_tracer
     assert attrs["rpc.method"] == "Decode" and attrs["rpc.grpc.status_code"] == 0
     assert attrs["gen_ai.request.max_tokens"] == 8 and attrs["gen_ai.usage.output_tokens"] == 8
     assert attrs["gen_ai.usage.input_tokens"] == len(b"hello there") + 1  # byte tokenizer + BOS
+    assert attrs["gen_ai.usage.cache_read.input_tokens"] == 0  # 12 tokens: no full block to reuse
     assert attrs["gen_ai.response.finish_reasons"] == ["length"] and attrs["gen_ai.response.id"] == "ok-1"
     assert "error.type" not in attrs and span.span.status.code != span.span.status.STATUS_CODE_ERROR
     assert "first_token" in span.events

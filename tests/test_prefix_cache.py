@@ -1,0 +1,218 @@
+"""The prefix cache and chunked prefill change no result: the real tiny model in float32 driven step
+by step by the DecodeLoop through mixed traffic (shared prefixes that end mid-block, a prompt that
+is a strict prefix of a cached one, an exact repeat, a next turn that extends a finished
+conversation, distinct prompts that force eviction), arriving while others decode. Every
+configuration (cache off, on, on and tiny; one-piece and chunked prefill) must produce the same
+greedy tokens, and the cache must really have been hit (and evicted from) for that to mean
+anything. Then the store on its own, and the wire: Usage, GetLoad, Prometheus, the span."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import torch
+
+from engine.v1 import engine_pb2 as pb
+from engine_service.config import BLOCK_TOKENS, EngineConfig
+from engine_service.faults import FaultInjector, FaultPlan
+from engine_service.loop import DecodeLoop, Emission
+from engine_service.model.llama import KVCache
+from engine_service.model.loader import load_model
+from engine_service.model_runner import ModelRunner
+from engine_service.prefix_cache import PrefixCache
+from engine_service.requests import Request, SamplingParams
+from engine_service.scheduler import Scheduler
+from engine_service.sequence import Sequence
+from tests.engines import ROOT
+
+CPU = torch.device("cpu")
+MAX_BATCH = 3
+MAX_CONTEXT = 192
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    loaded = load_model("tiny", CPU, torch.float32)
+    return ModelRunner(loaded.model, MAX_BATCH, MAX_CONTEXT, CPU, torch.float32)
+
+
+def ids(seed: int, n: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(3, 250, (n,), generator=g).tolist())
+
+
+BASE = ids(1, 70)  # 4 full blocks and 6 tokens
+
+
+def traffic(first_answer: tuple[int, ...]) -> list[tuple[int, str, tuple[int, ...], int]]:
+    """(step to submit at, id, prompt, max_new_tokens); `first_answer` is what "first" generates."""
+    return [
+        (0, "first", BASE + ids(2, 10), 30),  # finishes with 109 tokens in the cache: 6 full blocks
+        (0, "other", ids(3, 40), 30),
+        (3, "mid-block", BASE + ids(4, 9), 8),  # shares 70 tokens: 4 blocks hit, the 5th is mid-block
+        (3, "strict-prefix", BASE[:40], 8),  # a prefix of a cached prompt: 2 blocks hit
+        (4, "repeat", BASE + ids(2, 10), 12),  # the same prompt: every block but the one with the last token
+        (20, "next-turn", BASE + ids(2, 10) + first_answer + ids(5, 7), 6),  # hits its generated blocks too
+        (20, "distinct-1", ids(6, 50), 5),
+        (21, "distinct-2", ids(7, 50), 5),
+        (22, "distinct-3", ids(8, 50), 5),
+        (30, "base-again", BASE + ids(9, 3), 6),  # hit unless the tiny store evicted the base chain
+    ]
+
+
+def run(runner: ModelRunner, prefix: PrefixCache, budget: int, plan) -> tuple[dict[str, tuple[int, ...]],  # type: ignore[no-untyped-def]
+                                                                            dict[str, int]]:
+    """Step the loop through `plan`; tokens and cached prompt tokens by request id."""
+    scheduler = Scheduler(max_batch=MAX_BATCH, max_context=MAX_CONTEXT, queue_capacity=16, queue_retry_seconds=0.5,
+                          prefill_token_budget=budget)
+    delivered: list[Emission] = []
+
+    def fatal(exc: BaseException) -> None:
+        raise AssertionError(f"on_fatal: {exc!r}")
+
+    loop = DecodeLoop(runner, scheduler, FaultInjector(FaultPlan()), frozenset(), delivered.extend, fatal, prefix)
+    seqs: list[Sequence] = []
+    pending = sorted(plan, key=lambda p: p[0])
+    step = 0
+    while pending or scheduler.running or scheduler.waiting_count():
+        while pending and pending[0][0] <= step:
+            _, request_id, prompt, max_new = pending.pop(0)
+            request = Request(request_id=request_id, prompt_ids=prompt, max_new_tokens=max_new,
+                              sampling=SamplingParams(), stop_token_ids=frozenset(), ignore_eos=True, deadline=None)
+            seqs.append(Sequence(request, sink=None))
+            scheduler.submit(seqs[-1])
+        loop.step()
+        step += 1
+    assert all(e.error is None for e in delivered)
+    assert all(len(s.generated) == s.request.max_new_tokens for s in seqs)
+    return {s.request_id: tuple(s.generated) for s in seqs}, {s.request_id: s.cached_tokens for s in seqs}
+
+
+def test_greedy_tokens_are_the_same_with_the_cache_on_off_and_evicting_and_with_chunked_prefill(runner):
+    first, _ = run(runner, PrefixCache(0), 4096, traffic(())[:1])
+    plan = traffic(first["first"])
+    want, cached = run(runner, PrefixCache(0), 4096, plan)  # one-piece prefill, no cache
+    assert set(cached.values()) == {0}
+    chunked, _ = run(runner, PrefixCache(0), 24, plan)
+    assert chunked == want, "chunked prefill changed a result"
+
+    big = PrefixCache(1024)
+    got, cached = run(runner, big, 24, plan)
+    assert got == want, "the prefix cache changed a result"
+    assert cached["first"] == 0 and cached["other"] == 0
+    assert cached["mid-block"] == 64 and cached["strict-prefix"] == 32 and cached["repeat"] == 64
+    assert cached["next-turn"] == 96, "a next turn hits the finished conversation's generated blocks"
+    assert cached["base-again"] == 64
+    stats = big.stats()
+    assert stats.hit_tokens == sum(cached.values()) and stats.queried_tokens == sum(len(p[2]) for p in plan)
+
+    tiny = PrefixCache(6 * BLOCK_TOKENS)  # 96 tokens: the distinct prompts push the base chain out
+    got, cached = run(runner, tiny, 24, plan)
+    assert got == want, "eviction changed a result"
+    assert cached["repeat"] == 64, "the base chain was cached before the pressure"
+    assert cached["base-again"] < 64, "the tiny store evicted nothing"
+    assert tiny.stats().used_tokens <= 6 * BLOCK_TOKENS
+
+
+# -- the store on its own ----------------------------------------------------------------------
+
+@pytest.fixture
+def cache(runner: ModelRunner) -> KVCache:
+    kv = KVCache(runner.model.config, 2, 128, torch.float32, CPU)
+    kv.k.normal_()
+    kv.v.normal_()
+    return kv
+
+
+def test_reused_blocks_are_the_stored_rows_bit_for_bit_and_never_the_last_prompt_token(cache):
+    store = PrefixCache(256)
+    prompt = ids(11, 48)  # exactly 3 blocks
+    store.offer(prompt, cache, 0, 48)
+    assert store.stats().used_tokens == 48
+    assert store.reuse(prompt, cache, 1) == 32  # the third block holds the last token: computed, not reused
+    assert torch.equal(cache.k[:, 1, :, :32], cache.k[:, 0, :, :32])
+    assert torch.equal(cache.v[:, 1, :, :32], cache.v[:, 0, :, :32])
+    assert store.reuse(prompt + (7,), cache, 1) == 48
+    assert store.reuse((99,) + prompt, cache, 1) == 0  # same tokens at other positions are other blocks
+    assert store.reuse(prompt[:16] + (0,) * 32, cache, 1) == 16
+    assert store.stats().queried_tokens == 48 + 49 + 49 + 48 and store.stats().hit_tokens == 32 + 48 + 16
+
+
+def test_partial_blocks_are_not_stored_and_a_full_store_evicts_the_least_recent_leaf_first(cache):
+    store = PrefixCache(4 * BLOCK_TOKENS)
+    a, b = ids(12, 40), ids(13, 32)
+    store.offer(a, cache, 0, 40)  # 2 full blocks; the 8 tokens after them are not stored
+    store.offer(b, cache, 1, 32)  # 2 more: full
+    assert store.stats().used_tokens == 64
+    assert store.reuse(a + (1,), cache, 1) == 32  # a is now more recent than b
+    store.offer(ids(14, 16), cache, 0, 16)  # evicts b's leaf (b's 2nd block), not b's root, not a's
+    assert store.reuse(b + (1,), cache, 1) == 16
+    assert store.reuse(a + (1,), cache, 1) == 32
+
+
+def test_a_chain_longer_than_the_store_keeps_its_head_and_never_evicts_itself(cache):
+    store = PrefixCache(2 * BLOCK_TOKENS)
+    prompt = ids(15, 80)
+    store.offer(prompt, cache, 0, 80)
+    assert store.stats().used_tokens == 32
+    assert store.reuse(prompt, cache, 1) == 32  # its first two blocks, not a broken chain
+
+
+def test_memory_is_bounded_by_the_capacity_whatever_is_offered(cache):
+    store = PrefixCache(8 * BLOCK_TOKENS)
+    for seed in range(40):
+        store.offer(ids(100 + seed, 64), cache, 0, 64)
+        assert store.stats().used_tokens <= 8 * BLOCK_TOKENS
+    assert store._k is not None and store._k.shape[0] == 8  # the slots allocated once, never more
+
+
+@pytest.mark.parametrize("tokens", [-16, 10, 17, 8200])
+def test_a_capacity_that_is_not_whole_blocks_is_refused_by_name(tokens):
+    with pytest.raises(ValueError, match=rf"prefix_cache_tokens must be 0 \(off\) or a multiple .* got {tokens}"):
+        EngineConfig(prefix_cache_tokens=tokens)
+
+
+# -- over the wire ------------------------------------------------------------------------------
+
+def test_cached_tokens_are_reported_in_usage_get_load_metrics_and_the_span(start_engine):
+    proc = start_engine("--model", "tiny", "--max-context", "256", "--prefix-cache-tokens", "512",
+                        "--metrics-port", "0")
+    prompt = list(ids(21, 60))
+    usages = []
+    for _ in range(2):
+        last = list(proc.stub().Decode(pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_new_tokens=3,
+                                                        ignore_eos=True), timeout=30))[-1]
+        usages.append((last.usage.prompt_tokens, last.usage.cached_prompt_tokens))
+    assert usages == [(60, 0), (60, 48)]
+    load = proc.load()
+    assert (load.prefix_cache_used_tokens, load.prefix_cache_capacity_tokens) == (48, 512)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{proc.wait_events('metrics_started')[0]['port']}/metrics",
+                                  timeout=5).read().decode()
+    values = {line.split("{")[0]: float(line.rpartition(" ")[2]) for line in body.splitlines()
+              if line and not line.startswith("#")}
+    assert values["engine_prefix_cache_queries_total"] == 120.0
+    assert values["engine_prefix_cache_hits_total"] == 48.0
+    assert values["engine_prefix_cache_used_tokens"] == 48.0
+    assert values["engine_prefix_cache_usage"] == 48 / 512
+    finished = proc.wait_events("request_finished", count=2)
+    assert [e["cached_prompt_tokens"] for e in finished] == [0, 48]
+
+
+def test_an_engine_with_the_cache_off_reports_zero_capacity(start_engine):
+    proc = start_engine("--model", "tiny", "--prefix-cache-tokens", "0")
+    prompt = list(ids(22, 40))
+    for _ in range(2):
+        last = list(proc.stub().Decode(pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_new_tokens=2),
+                                       timeout=30))[-1]
+        assert last.usage.cached_prompt_tokens == 0
+    assert (proc.load().prefix_cache_used_tokens, proc.load().prefix_cache_capacity_tokens) == (0, 0)
+
+
+def test_a_bad_prefix_cache_size_exits_2_naming_the_flag():
+    out = subprocess.run([sys.executable, "-m", "engine_service", "--model", "tiny", "--prefix-cache-tokens", "100"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "prefix_cache_tokens must be 0 (off) or a multiple of the block size 16, got 100" in out.stderr
