@@ -1,0 +1,119 @@
+"""Chunked prefill: do running streams keep flowing while a long prompt prefills, and what does the
+long prompt pay for it?
+
+    python benchmarks/chunked_prefill.py [--model smollm2] [--dtype bfloat16] [--budgets 128,2048]
+
+For each per-step prefill budget (`--max-prefill-tokens`; the first is the engine's default), one
+engine, and in it:
+1. alone: a 2,000-token prompt (max 2 new tokens) with nothing else running; its TTFT, measured
+   by the client from the call to the first token (a warm-up prompt first, distinct tokens each
+   time so that the prefix cache never helps);
+2. with 8 steady streams: 8 requests (64-token prompts, decoding long) run until each has 24
+   tokens; their inter-token gaps over the next 2 s give the median TPOT before; then another
+   2,000-token prompt arrives. Its TTFT, and the largest gap of any steady stream from its
+   arrival to its first token (plus 0.5 s), are recorded.
+
+Prints, per budget: largest gap / median TPOT before (target <= 4) and TTFT with the streams /
+TTFT alone (target <= 1.6); and the budget's TTFT alone over the first budget's (what chunking
+costs a prompt on an idle engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.v1 import engine_pb2 as pb
+from engine.v1 import engine_pb2_grpc
+from tests.engines import EngineProcess
+
+LONG = 2000
+STEADY = 8
+STEADY_PROMPT = 64
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    """Distinct pseudo-random ids in 3..40002 (no two seeds share a first block)."""
+    return [3 + (seed * 7919 + i * 104729 + (seed * i) % 9973) % 40000 for i in range(length)]
+
+
+async def ttft(stub: engine_pb2_grpc.EngineServiceStub, ids: list[int]) -> float:
+    started = time.perf_counter()
+    async for msg in stub.Decode(pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=ids), max_new_tokens=2,
+                                                  ignore_eos=True)):
+        if msg.token_ids:
+            return time.perf_counter() - started
+    raise RuntimeError("the long prompt produced no token")
+
+
+async def with_streams(stub: engine_pb2_grpc.EngineServiceStub, seed: int) -> tuple[float, float, float]:
+    """(median TPOT before, largest gap after the arrival, the long prompt's TTFT) in seconds."""
+    stamps: list[list[float]] = [[] for _ in range(STEADY)]
+    stop = asyncio.Event()
+
+    async def stream(i: int) -> None:
+        call = stub.Decode(pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=prompt(seed + 1 + i, STEADY_PROMPT)),
+                                            max_new_tokens=1500, ignore_eos=True))
+        async for msg in call:
+            stamps[i].extend([time.perf_counter()] * len(msg.token_ids))
+            if stop.is_set():
+                call.cancel()
+                return
+
+    tasks = [asyncio.create_task(stream(i)) for i in range(STEADY)]
+    while min(len(s) for s in stamps) < 24:
+        await asyncio.sleep(0.05)
+    steady_from = time.perf_counter()
+    await asyncio.sleep(2.0)
+    arrival = time.perf_counter()
+    before = [b - a for s in stamps for a, b in zip(s, s[1:], strict=False) if a >= steady_from and b <= arrival]
+    long_ttft = await ttft(stub, prompt(seed, LONG))
+    await asyncio.sleep(0.5)
+    until = arrival + long_ttft + 0.5
+    gaps = [b - a for s in stamps for a, b in zip(s, s[1:], strict=False) if b > arrival and a < until]
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)  # cancelled calls end with CANCELLED: expected here
+    return statistics.median(before), max(gaps), long_ttft
+
+
+async def measure(address: str, seed: int) -> tuple[float, float, float, float]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        await ttft(stub, prompt(seed + 100, LONG))  # warm-up
+        alone = await ttft(stub, prompt(seed + 200, LONG))
+        tpot, gap, loaded = await with_streams(stub, seed + 300)
+    return alone, tpot, gap, loaded
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--budgets", default="128,2048",
+                        help="--max-prefill-tokens values, comma-separated (the first is the reference)")
+    args = parser.parse_args()
+    budgets = [int(b) for b in args.budgets.split(",")]
+    first_alone = None
+    print(f"# {args.model} {args.dtype}: {STEADY} streams ({STEADY_PROMPT}-token prompts) + one {LONG}-token prompt")
+    for n, budget in enumerate(budgets):
+        with EngineProcess("--model", args.model, "--dtype", args.dtype, "--max-prefill-tokens", str(budget),
+                           "--max-context", "2048", "--threads", "0") as proc:
+            alone, tpot, gap, loaded = asyncio.run(measure(proc.address, seed=1000 * (n + 1)))
+        first_alone = first_alone or alone
+        print(f"budget {budget:>5}: TTFT alone {alone * 1e3:7.0f} ms, with streams {loaded * 1e3:7.0f} ms; "
+              f"steady TPOT median {tpot * 1e3:5.1f} ms, largest gap {gap * 1e3:6.0f} ms", flush=True)
+        print(f"  largest gap / median TPOT before     : {gap / tpot:6.2f}  (target <= 4)")
+        print(f"  TTFT with 8 streams / TTFT alone      : {loaded / alone:6.2f}  (target <= 1.6)")
+        print(f"  TTFT alone / TTFT alone at {budgets[0]:>5}     : {alone / first_alone:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
