@@ -7,11 +7,13 @@ from pathlib import Path
 
 from engine_service.faults import FaultPlan
 
-# Prompt tokens prefilled per step. On SmolLM2 bfloat16 with 2 cores a 128-token chunk takes 66 ms
-# at position 0 and 110 ms at position 1,700 (attention grows with the position), against 40 ms for
-# a step of 8 decoding rows: so 8 streams' largest gap stays within 4x their step while a
-# 2,000-token prompt prefills beside them (benchmarks/chunked_prefill.py, README).
-DEFAULT_PREFILL_TOKENS = 128
+# Prompt tokens prefilled in a step that also decodes (with no row decoding, a step takes up to
+# max_context). On SmolLM2 bfloat16 with 2 cores, while 8 streams decode (33 ms a step) and a
+# 2,000-token prompt arrives (benchmarks/chunked_prefill.py, one run): at 96 the streams' largest
+# gap is 3.4x their TPOT and the prompt's TTFT 1.30x its TTFT alone; at 128, 3.8x and 1.27x; at 64,
+# 2.9x and 2.3x; at 2048 (one piece) the gap is the whole prefill. Attention makes a chunk late in a
+# long prompt up to 1.7x as costly as the first, hence the margin.
+DEFAULT_PREFILL_TOKENS = 96
 # 8,192 tokens of keys and values: 180 MiB for SmolLM2 in bfloat16 (22.5 KiB a token), 360 MiB in
 # float32; an eighth of the KV cache at the default batch and context, and room for eight
 # 1,000-token system prompts.

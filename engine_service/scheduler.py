@@ -121,10 +121,13 @@ class Scheduler:
 
     def plan_prefill(self, start: Callable[[Sequence, int], None]) -> list[Prefill]:
         """This step's prompt chunks: the prefilling rows in admission order, each given the rest of
-        its prompt or what remains of the budget, until the budget is spent. `start(seq, row)` is
+        its prompt or what remains of the budget, until the budget is spent (the prefill token
+        budget while any row decodes, else at least max_context). `start(seq, row)` is
         called for a sequence about to prefill its first chunk (it may put a cached prefix into the
         row and advance `cache_len`)."""
-        budget = self.prefill_token_budget
+        # the budget bounds how long decoding rows wait for a step; with none, nobody waits, and a
+        # prompt of any allowed length is prefilled in one piece (fewer, larger matmuls)
+        budget = self.prefill_token_budget if self.decoding else max(self.prefill_token_budget, self.max_context)
         plans: list[Prefill] = []
         for row in sorted(range(self.decoding, len(self.running)), key=lambda r: self.running[r].admitted):
             if budget == 0:

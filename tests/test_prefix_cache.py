@@ -56,10 +56,11 @@ def traffic(first_answer: tuple[int, ...]) -> list[tuple[int, str, tuple[int, ..
         (3, "strict-prefix", BASE[:40], 8),  # a prefix of a cached prompt: 2 blocks hit
         (4, "repeat", BASE + ids(2, 10), 12),  # the same prompt: every block but the one with the last token
         (20, "next-turn", BASE + ids(2, 10) + first_answer + ids(5, 7), 6),  # hits its generated blocks too
-        (20, "distinct-1", ids(6, 50), 5),
-        (21, "distinct-2", ids(7, 50), 5),
-        (22, "distinct-3", ids(8, 50), 5),
-        (30, "base-again", BASE + ids(9, 3), 6),  # hit unless the tiny store evicted the base chain
+        (40, "distinct-1", ids(6, 50), 5),  # after next-turn ends: 4 x 3 new blocks push the base chain out
+        (40, "distinct-2", ids(7, 50), 5),
+        (41, "distinct-3", ids(8, 50), 5),
+        (42, "distinct-4", ids(10, 50), 5),
+        (60, "base-again", BASE + ids(9, 3), 6),  # hit unless the tiny store evicted the base chain
     ]
 
 

@@ -115,6 +115,17 @@ def run_chunks(plans: list[Prefill]) -> None:
         p.seq.cache_len = p.chunk.start + p.chunk.length
 
 
+def decoding_row(sched: Scheduler) -> Sequence:
+    """A sequence admitted, prefilled and decoding in row 0: steps are now bound by the budget."""
+    sched.submit(first := seq("decoding", prompt_len=2))
+    sched.admit()
+    first.timings.prefill_started = NOW
+    first.cache_len = 2
+    first.generated.append(7)
+    sched.promote([first], Swaps())
+    return first
+
+
 def test_admit_takes_every_free_row_whatever_the_prompts_cost():
     sched = scheduler(max_batch=4, queue_capacity=5, budget=25)
     for name, length in (("a", 40), ("b", 10), ("c", 1)):
@@ -125,25 +136,36 @@ def test_admit_takes_every_free_row_whatever_the_prompts_cost():
 
 def test_prompts_are_prefilled_in_chunks_within_the_budget_oldest_first():
     sched = scheduler(max_batch=4, queue_capacity=5, budget=25)
+    decoding_row(sched)
     for name in "abc":
         sched.submit(seq(name, prompt_len=10))
     sched.admit()
     started: list[tuple[str, int]] = []
     start = lambda s, row: started.append((s.request_id, row))  # noqa: E731
     plans = sched.plan_prefill(start)
-    assert chunks(plans) == [("a", 0, 0, 10, True), ("b", 1, 0, 10, True), ("c", 2, 0, 5, False)]
-    assert started == [("a", 0), ("b", 1), ("c", 2)]
+    assert chunks(plans) == [("a", 1, 0, 10, True), ("b", 2, 0, 10, True), ("c", 3, 0, 5, False)]
+    assert started == [("a", 1), ("b", 2), ("c", 3)]
     run_chunks(plans)
     for s in sched.running:
         s.timings.prefill_started = NOW
     sched.promote([plans[0].seq, plans[1].seq], Swaps())
-    assert sched.decoding == 2
-    assert chunks(sched.plan_prefill(start)) == [("c", 2, 5, 5, True)]  # the rest of c, at its offset
+    assert sched.decoding == 3
+    assert chunks(sched.plan_prefill(start)) == [("c", 3, 5, 5, True)]  # the rest of c, at its offset
     assert len(started) == 3  # c's prefill had started: no second start
 
 
+def test_with_no_row_decoding_a_step_prefills_up_to_max_context():
+    sched = scheduler(max_batch=4, queue_capacity=5, budget=25)  # max_context 64
+    for name in "abc":
+        sched.submit(seq(name, prompt_len=30))
+    sched.admit()
+    plans = sched.plan_prefill(lambda s, row: None)
+    assert chunks(plans) == [("a", 0, 0, 30, True), ("b", 1, 0, 30, True), ("c", 2, 0, 4, False)]
+
+
 def test_a_prompt_longer_than_the_budget_takes_several_steps_and_completes_on_the_last():
-    sched = scheduler(max_batch=2, queue_capacity=5, budget=12)
+    sched = scheduler(max_batch=3, queue_capacity=5, budget=12)
+    decoding_row(sched)
     sched.submit(seq("long", prompt_len=30))
     sched.submit(seq("next", prompt_len=2))
     sched.admit()
@@ -152,8 +174,8 @@ def test_a_prompt_longer_than_the_budget_takes_several_steps_and_completes_on_th
         plans = sched.plan_prefill(lambda s, row: setattr(s.timings, "prefill_started", NOW))
         seen.append(chunks(plans))
         run_chunks(plans)
-    assert seen == [[("long", 0, 0, 12, False)], [("long", 0, 12, 12, False)],
-                    [("long", 0, 24, 6, True), ("next", 1, 0, 2, True)]]
+    assert seen == [[("long", 1, 0, 12, False)], [("long", 1, 12, 12, False)],
+                    [("long", 1, 24, 6, True), ("next", 2, 0, 2, True)]]
 
 
 def test_a_chunk_starts_where_the_start_callback_left_the_cache():
