@@ -22,6 +22,11 @@ from engine_service.prefix_cache import PrefixCacheStats
 from engine_service.sequence import Sequence
 from shared.errors import QueueFull
 
+# A step with no decoding row prefills at least this many prompt tokens: a wave of 128-token
+# prompts arriving together at an idle engine prefilled 1.5x faster in one step than in 96-token
+# chunks, and no stream is waiting on it.
+IDLE_PREFILL_TOKENS = 2048
+
 MoveRow = Callable[[int, int, int], None]  # (src, dst, length): KVCache.move_row
 SwapRows = Callable[[int, int, int, int], None]  # (a, b, length_a, length_b): KVCache.swap_rows
 
@@ -122,12 +127,14 @@ class Scheduler:
     def plan_prefill(self, start: Callable[[Sequence, int], None]) -> list[Prefill]:
         """This step's prompt chunks: the prefilling rows in admission order, each given the rest of
         its prompt or what remains of the budget, until the budget is spent (the prefill token
-        budget while any row decodes, else at least max_context). `start(seq, row)` is
+        budget while any row decodes, else at least max_context and IDLE_PREFILL_TOKENS). `start(seq, row)` is
         called for a sequence about to prefill its first chunk (it may put a cached prefix into the
         row and advance `cache_len`)."""
-        # the budget bounds how long decoding rows wait for a step; with none, nobody waits, and a
-        # prompt of any allowed length is prefilled in one piece (fewer, larger matmuls)
-        budget = self.prefill_token_budget if self.decoding else max(self.prefill_token_budget, self.max_context)
+        # the budget bounds how long decoding rows wait for a step; with none, nobody waits, and
+        # whole prompts (a wave of them, or one of any allowed length) go in one piece: larger
+        # matmuls are faster per token
+        budget = self.prefill_token_budget if self.decoding else max(self.prefill_token_budget, self.max_context,
+                                                                     IDLE_PREFILL_TOKENS)
         plans: list[Prefill] = []
         for row in sorted(range(self.decoding, len(self.running)), key=lambda r: self.running[r].admitted):
             if budget == 0:

@@ -91,11 +91,11 @@ def test_published_load_counts_the_waiting_requests() -> None:
 
 def test_chunks_that_exactly_spend_the_budget_leave_nothing_for_the_next_prompt() -> None:
     sched = Scheduler(max_batch=4, max_context=16, queue_capacity=4, queue_retry_seconds=0.5, prefill_token_budget=64)
-    for name in "abc":
+    for name in "abcd":
         sched.submit(Sequence(Request(request_id=name, prompt_ids=(1,) * 32, max_new_tokens=4,
                                       sampling=SamplingParams(), stop_token_ids=frozenset(), ignore_eos=True,
                                       deadline=None), sink=None))
     sched.admit()
+    sched.decoding = 1  # as if row 0 ("a") had its first token: b and c prefill within the budget
     plans = sched.plan_prefill(lambda s, row: None)
-    # nothing decodes, so the budget is max(64, max_context 16): 64 tokens, and c waits
-    assert [(p.seq.request_id, p.chunk.length) for p in plans] == [("a", 32), ("b", 32)]
+    assert [(p.seq.request_id, p.chunk.length) for p in plans] == [("b", 32), ("c", 32)]  # 64 tokens: d waits

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine_service.requests import Request, SamplingParams
-from engine_service.scheduler import Prefill, Scheduler
+from engine_service.scheduler import IDLE_PREFILL_TOKENS, Prefill, Scheduler
 from engine_service.sequence import Sequence
 from shared.errors import QueueFull
 
@@ -154,13 +154,14 @@ def test_prompts_are_prefilled_in_chunks_within_the_budget_oldest_first():
     assert len(started) == 3  # c's prefill had started: no second start
 
 
-def test_with_no_row_decoding_a_step_prefills_up_to_max_context():
-    sched = scheduler(max_batch=4, queue_capacity=5, budget=25)  # max_context 64
+def test_with_no_row_decoding_a_step_prefills_whole_prompts_up_to_the_idle_budget():
+    sched = scheduler(max_batch=4, queue_capacity=5, budget=25)
     for name in "abc":
-        sched.submit(seq(name, prompt_len=30))
+        sched.submit(seq(name, prompt_len=1000))
     sched.admit()
     plans = sched.plan_prefill(lambda s, row: None)
-    assert chunks(plans) == [("a", 0, 0, 30, True), ("b", 1, 0, 30, True), ("c", 2, 0, 4, False)]
+    assert IDLE_PREFILL_TOKENS == 2048
+    assert chunks(plans) == [("a", 0, 0, 1000, True), ("b", 1, 0, 1000, True), ("c", 2, 0, 48, False)]
 
 
 def test_a_prompt_longer_than_the_budget_takes_several_steps_and_completes_on_the_last():
