@@ -2,9 +2,13 @@
 and not grow over a long run.
 
     python benchmarks/memory.py [--model small] [--requests 2000] [--concurrency 32]
+    python benchmarks/memory.py --model smollm2 --distinct-prefixes --prompt 512 --max-context 640
 
 Starts the engine, reads its RSS (/proc/PID/status VmRSS) when ready, after a warm-up, and after
 `--requests` requests at full batch, and prints the figures and the overhead beyond weights + KV.
+With `--distinct-prefixes` every prompt is new tokens from its first block on, so each request
+offers the prefix cache blocks it has never seen: the store fills, then evicts, and RSS must stop
+growing at its capacity (`--prefix-cache-tokens`, printed in MiB).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
+from engine_service.config import DEFAULT_PREFIX_CACHE_TOKENS
 from engine_service.model.llama import KVCache
 from engine_service.model.presets import PRESETS
 from tests.engines import EngineProcess
@@ -36,7 +41,8 @@ def rss_bytes(pid: int, field: str = "VmRSS") -> int:
     raise RuntimeError(f"no {field} in /proc/{pid}/status")
 
 
-async def run(address: str, requests: int, concurrency: int, prompt: int, new: int) -> int:
+async def run(address: str, requests: int, concurrency: int, prompt: int, new: int, distinct: bool = False,
+              first: int = 0) -> int:
     done = 0
     async with grpc.aio.insecure_channel(address) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
@@ -45,7 +51,9 @@ async def run(address: str, requests: int, concurrency: int, prompt: int, new: i
         async def worker() -> None:
             nonlocal done
             for i in todo:
-                ids = [(i * 7 + j) % 256 for j in range(prompt)]
+                n = first + i
+                ids = ([3 + (n * 7919 + j * 104729 + (n * j) % 9973) % 40000 for j in range(prompt)] if distinct
+                       else [(i * 7 + j) % 256 for j in range(prompt)])
                 count = 0
                 async for msg in stub.Decode(pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=ids),
                                                               max_new_tokens=new, ignore_eos=True)):
@@ -66,25 +74,45 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument("--distinct-prefixes", action="store_true",
+                        help="every prompt new from its first token (fills and then evicts the prefix cache)")
+    parser.add_argument("--prefix-cache-tokens", type=int, default=DEFAULT_PREFIX_CACHE_TOKENS)
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     config = model_config(args.model)
-    weights = sum(p.numel() for p in _param_shapes(config)) * 4
-    kv = KVCache(config, 1, 1, torch.float32, torch.device("meta")).bytes_per_token() * args.concurrency * args.max_context
-    with EngineProcess("--model", args.model, "--max-batch", str(args.concurrency), "--max-context",
-                       str(args.max_context), "--threads", "0") as proc:
+    dtype = getattr(torch, args.dtype)
+    size = torch.empty((), dtype=dtype).element_size()
+    weights = sum(p.numel() for p in _param_shapes(config)) * size
+    per_token = KVCache(config, 1, 1, dtype, torch.device("meta")).bytes_per_token()
+    kv = per_token * args.concurrency * args.max_context
+    store = per_token * args.prefix_cache_tokens
+    with EngineProcess("--model", args.model, "--dtype", args.dtype, "--max-batch", str(args.concurrency),
+                       "--max-context", str(args.max_context), "--threads", "0",
+                       "--prefix-cache-tokens", str(args.prefix_cache_tokens)) as proc:
         pid = proc.proc.pid
         ready, loading_peak = rss_bytes(pid), rss_bytes(pid, "VmHWM")
-        asyncio.run(run(proc.address, args.concurrency * 2, args.concurrency, args.prompt, args.new))
+        warmup = args.concurrency * 2
+        asyncio.run(run(proc.address, warmup, args.concurrency, args.prompt, args.new, args.distinct_prefixes))
         warm = rss_bytes(pid)
-        done = asyncio.run(run(proc.address, args.requests, args.concurrency, args.prompt, args.new))
+        half = args.requests // 2
+        asyncio.run(run(proc.address, half, args.concurrency, args.prompt, args.new, args.distinct_prefixes, warmup))
+        middle, store_used = rss_bytes(pid), proc.load().prefix_cache_used_tokens
+        done = half + asyncio.run(run(proc.address, args.requests - half, args.concurrency, args.prompt, args.new,
+                                      args.distinct_prefixes, warmup + half))
         end = rss_bytes(pid)
-    print(f"# {args.model}, max-batch {args.concurrency}, max-context {args.max_context}, {done} requests "
-          f"({args.prompt} prompt + {args.new} new tokens)")
-    print(f"weights {weights / MIB:8.1f} MiB   KV cache {kv / MIB:8.1f} MiB")
+        store_end = proc.load().prefix_cache_used_tokens
+    print(f"# {args.model} {args.dtype}, max-batch {args.concurrency}, max-context {args.max_context}, {done} requests "
+          f"({args.prompt} prompt + {args.new} new tokens{', distinct prefixes' if args.distinct_prefixes else ''})")
+    print(f"weights {weights / MIB:8.1f} MiB   KV cache {kv / MIB:8.1f} MiB   prefix cache "
+          f"{args.prefix_cache_tokens} tokens = {store / MIB:8.1f} MiB at most")
+    print(f"prefix cache used: {store_used} tokens after {warmup + half} requests, {store_end} after all")
+    print(f"RSS after {warmup + half} requests {middle / MIB:8.1f} MiB; growth over the second half "
+          f"{(end - middle) / MIB:+8.1f} MiB")
     print(f"peak RSS up to ready (loading) {loading_peak / MIB:8.1f} MiB = {loading_peak / (weights + kv):.2f}x "
-          f"weights (float32, dequantized) + KV")
+          f"weights ({args.dtype}, dequantized) + KV")
     print(f"RSS ready {ready / MIB:8.1f} MiB   after warm-up {warm / MIB:8.1f} MiB   after {done} requests {end / MIB:8.1f} MiB")
-    print(f"overhead beyond weights + KV after the run: {(end - weights - kv) / MIB:8.1f} MiB")
+    print(f"overhead beyond weights + KV + the full prefix cache after the run: "
+          f"{(end - weights - kv - store) / MIB:8.1f} MiB")
     print(f"growth over the run (end - warm-up): {(end - warm) / MIB:+8.1f} MiB")
 
 
