@@ -7,12 +7,12 @@ from pathlib import Path
 
 from engine_service.faults import FaultPlan
 
-# Prompt tokens prefilled in a step that also decodes (with no row decoding, a step takes up to
-# max_context). On SmolLM2 bfloat16 with 2 cores, while 8 streams decode (33 ms a step) and a
-# 2,000-token prompt arrives (benchmarks/chunked_prefill.py, one run): at 96 the streams' largest
-# gap is 3.4x their TPOT and the prompt's TTFT 1.30x its TTFT alone; at 128, 3.8x and 1.27x; at 64,
-# 2.9x and 2.3x; at 2048 (one piece) the gap is the whole prefill. Attention makes a chunk late in a
-# long prompt up to 1.7x as costly as the first, hence the margin.
+# Prompt tokens prefilled in a step that also decodes (with no row decoding, a step takes more:
+# scheduler.IDLE_PREFILL_TOKENS). On SmolLM2 bfloat16 with 2 cores, while 8 streams decode (33-35
+# ms a step) and a 2,000-token prompt arrives (benchmarks/chunked_prefill.py, one run): at 96 the
+# streams' largest gap is 3.7x their TPOT and the prompt's TTFT 1.50x its TTFT alone; at 128, 4.0x
+# and 1.52x; at 64, 2.8x and 1.95x; at 2048 (one piece) the gap is the whole prefill, 38x. Attention
+# makes a chunk late in a long prompt up to 1.7x as costly as the first.
 DEFAULT_PREFILL_TOKENS = 96
 # 8,192 tokens of keys and values: 180 MiB for SmolLM2 in bfloat16 (22.5 KiB a token), 360 MiB in
 # float32; an eighth of the KV cache at the default batch and context, and room for eight
