@@ -102,3 +102,36 @@ def test_rows_moved_in_the_kv_cache_decode_exactly_as_if_alone(runner: ModelRunn
         assert together[request_id] == alone[request_id], f"{request_id}: batched tokens differ from alone"
         for step, (got, want) in enumerate(zip(recorder.logits[request_id], alone_logits[request_id], strict=True)):
             assert torch.allclose(got, want, atol=1e-4), f"{request_id} step {step}: max diff {(got - want).abs().max()}"
+
+
+def test_prompts_prefilled_in_chunks_while_rows_move_and_swap_decode_exactly_as_if_alone(runner: ModelRunner) -> None:
+    """Chunked prefill with the rows reshuffled under it: x decodes while a, b, c prefill 8 tokens a
+    step; x ends, so c (the last row) moves into x's row ahead of a and b; a completes first and is
+    swapped into the first row to join the decoding rows (`KVCache.swap_rows`), then b."""
+    plan = [(0, "x", "x: a short prompt", 3), (1, "a", "a prompt of forty-odd bytes for row a", 6),
+            (1, "b", "b, another long prompt, prefilled after a", 6), (1, "c", "c waits behind both a and b", 5)]
+    alone = {}
+    for _at, request_id, prompt, max_new in plan:
+        tokens, _ = run(runner, [(request_id, prompt, max_new)], max_batch=MAX_BATCH)
+        alone.update(tokens)
+    recorder = Recorder(runner)
+    scheduler = Scheduler(max_batch=MAX_BATCH, max_context=128, queue_capacity=16, queue_retry_seconds=0.5,
+                          prefill_token_budget=8)
+    delivered: list[Emission] = []
+    loop = DecodeLoop(recorder, scheduler, FaultInjector(FaultPlan()), frozenset(), delivered.extend,  # type: ignore[arg-type]
+                      lambda exc: (_ for _ in ()).throw(AssertionError(f"on_fatal: {exc!r}")))
+    seqs: dict[str, Sequence] = {}
+    step = 0
+    while step < 2 or scheduler.running or scheduler.waiting_count():
+        for at, request_id, prompt, max_new in plan:
+            if at == step:
+                seqs[request_id] = Sequence(Request(request_id=request_id, prompt_ids=tuple(prompt.encode()),
+                                                    max_new_tokens=max_new, sampling=SamplingParams(),
+                                                    stop_token_ids=frozenset(), ignore_eos=True, deadline=None),
+                                            sink=None)
+                scheduler.submit(seqs[request_id])
+        loop.step()
+        step += 1
+    assert all(e.error is None for e in delivered)
+    assert any(length == -1 for _, _, length in recorder.moves), f"no row was swapped: {recorder.moves}"
+    assert {k: s.generated for k, s in seqs.items()} == alone
