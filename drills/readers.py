@@ -27,7 +27,8 @@ NAME = "readers"
 # new requests (prefill interference). Measured with eager decode: 2-2.6x quick, 3.6-4.4x full. The
 # traced decode (--trace-decode) halved the 2-row step (0.8-1.0 ms, from 1.6) but not the storm's
 # prefills, which stayed at 4-6 ms a step: 4.0x, 4.7x, 7.3x in three quick runs. Chunked prefill
-# (issue 12) is what would bring the storm's steps down.
+# did not change it (4.4x, 4.3x, 5.7x): the storm's prompts are a few dozen tokens, one chunk each,
+# so what remains is the batch growing and each step's new prompts.
 TPOT_BOUND = 10.0
 VANISH_CONCURRENCY = 8
 STEADY_NEW = 200
