@@ -126,10 +126,10 @@ class Scheduler:
 
     def plan_prefill(self, start: Callable[[Sequence, int], None]) -> list[Prefill]:
         """This step's prompt chunks: the prefilling rows in admission order, each given the rest of
-        its prompt or what remains of the budget, until the budget is spent (the prefill token
-        budget while any row decodes, else at least max_context and IDLE_PREFILL_TOKENS). `start(seq, row)` is
-        called for a sequence about to prefill its first chunk (it may put a cached prefix into the
-        row and advance `cache_len`)."""
+        its prompt or what remains of the budget, until the budget is spent. The budget is the
+        prefill token budget while any row decodes, else at least max_context and
+        IDLE_PREFILL_TOKENS. `start(seq, row)` is called for a sequence about to prefill its first
+        chunk (it may put a cached prefix into the row and advance `cache_len`)."""
         # the budget bounds how long decoding rows wait for a step; with none, nobody waits, and
         # whole prompts (a wave of them, or one of any allowed length) go in one piece: larger
         # matmuls are faster per token

@@ -48,11 +48,6 @@ class Sequence:
         return self.request.request_id
 
     @property
-    def prefilling(self) -> bool:
-        """Part of the prompt is not in the cache yet (it has produced no token)."""
-        return not self.generated
-
-    @property
     def total_len(self) -> int:
         return len(self.request.prompt_ids) + len(self.generated)
 
