@@ -1,9 +1,13 @@
-"""The docker compose stack, checked without a Docker engine: the file's wiring, that every command it
-runs exists in the project, the Dockerfile's install steps against the Makefile's, the health check
-module against a real engine, and `docker-compose config` where the tool is installed."""
+"""The docker compose stack, checked without a Docker engine: the file's wiring (including that
+`docker compose up --scale engine=N` works: no fixed host port on the engine, the bench client and
+Prometheus reach every replica through the service's DNS name), that every command it runs exists in
+the project, the Dockerfile's install steps against the Makefile's, the health check module against a
+real engine, and `docker-compose config` (and `promtool check config`) where the tools are installed."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import shlex
 import shutil
@@ -15,7 +19,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bench_client import rpc
 from bench_client.config import load_config
+from bench_client.rpc import EngineClient
+from engine_service.cli import build_parser
+from shared.tracing import service_resource
 from tests.engines import ROOT
 
 COMPOSE = ROOT / "docker-compose.yml"
@@ -30,6 +38,44 @@ def services() -> dict:
 
 def flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
+
+
+def engine_args(services: dict):
+    """The engine service's command as the engine itself parses it (its defaults filled in)."""
+    command = services["engine"]["command"]
+    assert command[:3] == ["python", "-m", "engine_service"]
+    return build_parser().parse_args(command[3:])
+
+
+def published_port(entry: str | int | dict) -> str | None:
+    """The host port a compose `ports` entry publishes to, None for an ephemeral one (container port
+    only: Docker picks a free host port per container). Short syntax: [[IP:]HOST:]CONTAINER[/PROTO]."""
+    if isinstance(entry, dict):
+        published = entry.get("published")
+        return None if published in (None, "") else str(published)
+    parts = str(entry).split("/")[0].rsplit(":", 2)
+    return None if len(parts) == 1 or parts[-2] == "" else parts[-2]
+
+
+def container_port(entry: str | int | dict) -> str:
+    return str(entry["target"]) if isinstance(entry, dict) else str(entry).split("/")[0].rsplit(":", 1)[-1]
+
+
+def seconds(duration: str) -> float:
+    """A compose duration ("40s", "1m30s", "500ms") in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def prometheus_config(services: dict) -> dict:
+    prometheus = services["prometheus"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in prometheus["volumes"]}
+    config_file = flag([w for a in prometheus["command"] for w in a.split("=", 1)], "--config.file")
+    source = ROOT / mounts[config_file]
+    assert source.is_file()
+    return yaml.safe_load(source.read_text())
 
 
 def image_path(path: str) -> Path:
@@ -51,18 +97,51 @@ def test_the_stack_has_its_four_services(services):
     assert set(services) == {"engine", "bench", "jaeger", "prometheus"}
 
 
-def test_the_engine_is_built_here_health_checked_restarted_and_exposed(services):
+def test_the_engine_is_built_here_health_checked_and_restarted(services):
     engine = services["engine"]
     assert engine["build"] == "."
     command = engine["command"]
     assert command[:3] == ["python", "-m", "engine_service"]
     assert flag(command, "--host") == "0.0.0.0" and flag(command, "--model") == "smollm2"  # the default model
-    port, metrics = flag(command, "--port"), flag(command, "--metrics-port")
-    assert f"{port}:{port}" in engine["ports"] and f"{metrics}:{metrics}" in engine["ports"]
+    args = engine_args(services)
     check = engine["healthcheck"]["test"]
     assert check[0] == "CMD" and check[1:4] == ["python", "-m", "engine_service.healthcheck"]
-    assert check[4] == f"127.0.0.1:{port}"
+    assert check[4] == f"127.0.0.1:{args.port}"
+    assert seconds(engine["healthcheck"]["start_period"]) >= 30, "a replica loads its model before it serves"
     assert engine["restart"] == "unless-stopped"
+    # SIGTERM drains for --grace-seconds; compose must not SIGKILL a replica before the drain ends.
+    assert seconds(engine["stop_grace_period"]) > args.grace_seconds
+
+
+def test_the_engine_scales_its_ports_are_ephemeral_on_the_host(services):
+    """`docker compose up --scale engine=3`: a fixed host port (or a container name) would let only one
+    replica start. Each replica publishes the gRPC and metrics ports on a host port Docker picks."""
+    engine, args = services["engine"], engine_args(services)
+    assert "container_name" not in engine and "hostname" not in engine
+    assert "network_mode" not in engine, "host networking would make every replica bind the same port"
+    ports = engine.get("ports", [])
+    assert [published_port(p) for p in ports if published_port(p) is not None] == []
+    assert {container_port(p) for p in ports} <= {str(args.port), str(args.metrics_port)}
+    assert str(args.port) in {container_port(p) for p in ports} | {str(p) for p in engine.get("expose", [])}
+    assert engine.get("deploy", {}).get("replicas", 1) >= 1
+
+
+def test_published_host_ports_are_distinct(services):
+    published = [published_port(p) for s in services.values() for p in s.get("ports", [])]
+    published = [p for p in published if p is not None]
+    assert len(published) == len(set(published)), published
+
+
+def test_depends_on_names_services_with_valid_conditions(services):
+    for name, service in services.items():
+        depends = service.get("depends_on", {})
+        assert isinstance(depends, dict), f"{name}: depends_on with conditions, not a list"
+        for dependency, condition in depends.items():
+            assert dependency in services and dependency != name, (name, dependency)
+            assert condition["condition"] in ("service_started", "service_healthy",
+                                              "service_completed_successfully"), (name, condition)
+            if condition["condition"] == "service_healthy":
+                assert "healthcheck" in services[dependency], f"{name} waits for {dependency}'s health check"
 
 
 def test_the_bench_runs_the_compose_sweep_against_the_healthy_engine_into_a_volume(services):
@@ -77,7 +156,32 @@ def test_the_bench_runs_the_compose_sweep_against_the_healthy_engine_into_a_volu
     assert bench["restart"] == "on-failure"
     config = load_config(image_path(command[4]))
     assert config.engine is None
-    assert config.target == f"engine:{flag(engine['command'], '--port')}"
+    # Every replica: the service's DNS name (Docker's DNS has one A record per replica) on the gRPC port.
+    assert config.target == f"dns:///engine:{engine_args(services).port}"
+    host = re.fullmatch(r"dns:///([^:/]+):\d+", config.target).group(1)
+    assert host in services and services[host]["command"][:3] == ["python", "-m", "engine_service"]
+
+
+def test_the_bench_clients_channel_balances_round_robin():
+    """A `dns:///` name with several A records is only spread over the replicas by round_robin (the
+    default pick_first would send every call to the first address)."""
+    options = dict(rpc._CHANNEL_OPTIONS)
+    policies = json.loads(options["grpc.service_config"])["loadBalancingConfig"]
+    assert next(iter(policies[0])) == "round_robin"
+
+
+def test_a_dns_target_reaches_a_real_engine(start_engine):
+    """The compose target's form (`dns:///NAME:PORT`) through the bench client's channel."""
+    proc = start_engine("--model", "tiny")
+
+    async def ask() -> str:
+        client = EngineClient(f"dns:///localhost:{proc.port}")
+        try:
+            return (await client.server_info()).model
+        finally:
+            await client.close()
+
+    assert asyncio.run(ask())
 
 
 def test_the_compose_sweep_keeps_the_demo_grid_and_engine():
@@ -104,16 +208,38 @@ def test_otlp_from_both_services_goes_to_jaeger(services):
     assert len(names) == 2
 
 
-def test_prometheus_scrapes_the_engines_metrics_port(services):
-    prometheus, engine = services["prometheus"], services["engine"]
+def test_prometheus_discovers_every_engine_replica_by_dns(services):
+    """A static `engine:9464` target would scrape whichever replica the name resolves to first; DNS
+    service discovery (type A) scrapes each replica as its own instance and follows --scale."""
+    prometheus = services["prometheus"]
     assert prometheus["image"].startswith("prom/prometheus") and "9090:9090" in prometheus["ports"]
-    mounts = {v.split(":")[1]: v.split(":")[0] for v in prometheus["volumes"]}
-    config_file = flag([w for a in prometheus["command"] for w in a.split("=", 1)], "--config.file")
-    source = ROOT / mounts[config_file]
-    assert source.is_file()
-    targets = [t for job in yaml.safe_load(source.read_text())["scrape_configs"]
-               for sc in job["static_configs"] for t in sc["targets"]]
-    assert f"engine:{flag(engine['command'], '--metrics-port')}" in targets
+    jobs = {job["job_name"]: job for job in prometheus_config(services)["scrape_configs"]}
+    engine_job = jobs["engine"]
+    assert "static_configs" not in engine_job, "one static address is one replica"
+    [sd] = engine_job["dns_sd_configs"]
+    assert sd["names"] == ["engine"] and sd["type"] == "A"
+    assert sd["port"] == engine_args(services).metrics_port is not None
+    assert str(sd["port"]) in {container_port(p) for p in services["engine"]["ports"]}
+    assert seconds(sd.get("refresh_interval", "30s")) <= 30
+
+
+def test_prometheus_config_passes_promtool():
+    tool = shutil.which("promtool")
+    if tool is None:
+        pytest.skip("promtool is not installed (Debian package `prometheus`; .ci/run installs it)")
+    proc = subprocess.run([tool, "check", "config", str(ROOT / "deploy" / "prometheus.yml")], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_each_replicas_spans_name_its_host(services, monkeypatch):
+    """Replicas share OTEL_SERVICE_NAME; the host resource detector adds host.name (the container's
+    hostname, distinct per replica) so Jaeger tells their spans apart."""
+    env = services["engine"]["environment"]
+    for name in list(env):
+        monkeypatch.setenv(name, str(env[name]))
+    attributes = service_resource("engine").attributes
+    assert attributes["service.name"] == "engine" and attributes.get("host.name")
 
 
 def test_every_command_the_stack_runs_exists_in_the_project(services):
@@ -170,9 +296,11 @@ def test_docker_compose_validates_the_file():
     tool = shutil.which("docker-compose")
     if tool is None:
         pytest.skip("docker-compose is not installed (Debian package `docker-compose`; .ci/run installs it)")
-    proc = subprocess.run([tool, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True,
+    proc = subprocess.run([tool, "-f", str(COMPOSE), "config"], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
+    engine = yaml.safe_load(proc.stdout)["services"]["engine"]  # as compose normalised it
+    assert engine["ports"] and all(published_port(p) is None for p in engine["ports"]), engine["ports"]
 
 
 def healthcheck(address: str) -> subprocess.CompletedProcess[str]:
