@@ -7,6 +7,7 @@ real engine, and `docker-compose config` (and `promtool check config`) where the
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import re
 import shlex
@@ -165,7 +166,10 @@ def test_the_bench_runs_the_compose_sweep_against_the_healthy_engine_into_a_volu
 def test_the_bench_clients_channel_balances_round_robin():
     """A `dns:///` name with several A records is only spread over the replicas by round_robin (the
     default pick_first would send every call to the first address)."""
-    options = dict(rpc._CHANNEL_OPTIONS)
+    if hasattr(rpc, "_CHANNEL_OPTIONS"):
+        options = dict(rpc._CHANNEL_OPTIONS)
+    else:  # the channel moved to shared.engine_channel (issue 13's health-aware balancing)
+        options = dict(importlib.import_module("shared.engine_channel").channel_options())
     policies = json.loads(options["grpc.service_config"])["loadBalancingConfig"]
     assert next(iter(policies[0])) == "round_robin"
 
