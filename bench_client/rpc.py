@@ -4,7 +4,10 @@ It turns domain requests into protobuf, protobuf responses into frozen domain va
 failed call into the domain exception of `shared.errors` (with reason, metadata and retry delay),
 so the sweep logic above it decides on domain values alone.
 
-It also owns the transport (plaintext or TLS, bearer token) and the CLIENT span of each Decode:
+It also owns the transport and the CLIENT span of each Decode. The channel is the one every
+Python caller of the engine gets from `shared.engine_channel` (round_robin over the target's
+addresses with client-side health checking, TLS, the bearer token as call metadata); each Decode
+stream knows the replica that answered it (`DecodeStream.replica`). The span is
 a child of the current span (the sweep's point), whose W3C traceparent travels in the call's
 metadata so the engine's SERVER span continues it. With tracing off the spans are the API's no-ops.
 """
@@ -12,9 +15,8 @@ metadata so the engine's SERVER span continues it. With tracing off the spans ar
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass
 
 import grpc
@@ -22,23 +24,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
-from bench_client.config import ChannelSecurity
+from bench_client.config import ChannelSecurity, TlsConfig
 from engine.v1 import engine_pb2, engine_pb2_grpc
+from shared.engine_channel import SERVICE_NAME, EngineChannel, EngineTls, open_engine_channel, replica_of
 from shared.errors import from_rpc_error, status_code_of
 from shared.tracing import inject_metadata, rpc_attributes, set_rpc_outcome
 
 tracer = trace.get_tracer("bench_client")
-
-SERVICE_NAME = "engine.v1.EngineService"
-
-# round_robin spreads calls over every address the target resolves to (an `ipv4:` list, a
-# `dns:///` name with several records); for a single address it behaves as pick_first does.
-_SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
-_CHANNEL_OPTIONS: Sequence[tuple[str, str | int]] = (
-    ("grpc.service_config", _SERVICE_CONFIG),
-    ("grpc.enable_retries", 0),  # the client's policy table retries, not the channel
-    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-)
 
 
 @dataclass(frozen=True)
@@ -119,15 +111,31 @@ class Chunk:
     cached_prompt_tokens: int | None = None  # of prompt_tokens, those whose KV came from the prefix cache
 
 
+class DecodeStream:
+    """The chunks of one Decode call (iterate it once), and the replica that answered it: set from
+    the call's `engine-replica` header once the engine answered (a chunk or an error), None while
+    nothing came back or when no replica was reached."""
+
+    def __init__(self) -> None:
+        self.replica: str | None = None
+        self._chunks: AsyncIterator[Chunk] | None = None
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        assert self._chunks is not None, "a DecodeStream is built by EngineClient.decode or .chat"
+        return self._chunks
+
+
 class EngineClient:
-    """One grpc.aio channel to the target (one engine or several replicas); TLS and a bearer token
-    as `security` says. The token goes on EngineService calls only (health is open)."""
+    """One grpc.aio channel to the target (one engine or several replicas, round_robin with health
+    checking); TLS and a bearer token as `security` says. The token goes on EngineService calls
+    only (health is open)."""
 
     def __init__(self, target: str, security: ChannelSecurity | None = None) -> None:
         self.target = target
-        self._channel = open_channel(target, security or ChannelSecurity())
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {security.token}"),) if security is not None and security.token else ())
+        security = security or ChannelSecurity()
+        self._engine: EngineChannel = open_engine_channel(target, token=security.token, tls=engine_tls(security.tls))
+        self._channel = self._engine.channel
+        self._metadata = self._engine.metadata
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -179,7 +187,7 @@ class EngineClient:
             await asyncio.sleep(poll_s)
 
     def decode(self, spec: DecodeSpec, *, timeout: float,
-               attributes: Mapping[str, AttributeValue] | None = None) -> AsyncIterator[Chunk]:
+               attributes: Mapping[str, AttributeValue] | None = None) -> DecodeStream:
         """Stream the chunks of one Decode call inside its CLIENT span (a child of the current
         span, with `attributes` added); a failed call raises its EngineError."""
         request = engine_pb2.DecodeRequest(
@@ -195,7 +203,7 @@ class EngineClient:
             "gen_ai.request.max_tokens": spec.max_new_tokens, "gen_ai.usage.input_tokens": len(spec.prompt_token_ids),
             "bench.request.id": spec.request_id, **(attributes or {})})
 
-    def chat(self, spec: ChatSpec, *, timeout: float) -> AsyncIterator[Chunk]:
+    def chat(self, spec: ChatSpec, *, timeout: float) -> DecodeStream:
         """Stream the answer to chat messages (the engine renders the model's chat template), as
         `decode` streams; a model without a chat template raises InvalidRequest (INVALID_FIELD)."""
         request = engine_pb2.DecodeRequest(
@@ -209,8 +217,14 @@ class EngineClient:
             **_DECODE_ATTRIBUTES, "gen_ai.operation.name": "chat", "gen_ai.request.max_tokens": spec.max_new_tokens,
             "bench.request.id": spec.request_id})
 
-    async def _stream(self, request: engine_pb2.DecodeRequest, timeout: float,
-                      attributes: Mapping[str, AttributeValue]) -> AsyncIterator[Chunk]:
+    def _stream(self, request: engine_pb2.DecodeRequest, timeout: float,
+                attributes: Mapping[str, AttributeValue]) -> DecodeStream:
+        stream = DecodeStream()
+        stream._chunks = self._chunks(request, timeout, attributes, stream)
+        return stream
+
+    async def _chunks(self, request: engine_pb2.DecodeRequest, timeout: float,
+                      attributes: Mapping[str, AttributeValue], stream: DecodeStream) -> AsyncIterator[Chunk]:
         # Not made current: an async generator may be finished in another context than it started in.
         span = tracer.start_span(_DECODE_SPAN, kind=trace.SpanKind.CLIENT)
         if span.is_recording():
@@ -223,6 +237,8 @@ class EngineClient:
         try:
             async for message in call:
                 chunk = _chunk(message, time.perf_counter())
+                if stream.replica is None:
+                    stream.replica = replica_of(await call.initial_metadata())
                 output_tokens += chunk.num_tokens
                 input_tokens = chunk.prompt_tokens or input_tokens
                 if chunk.cached_prompt_tokens is not None:
@@ -230,6 +246,8 @@ class EngineClient:
                 yield chunk
         except grpc.aio.AioRpcError as err:
             error = from_rpc_error(err)
+            if stream.replica is None:  # empty when the call never reached an engine
+                stream.replica = replica_of(await call.initial_metadata())
             set_rpc_outcome(span, status_code_of(error), error.reason, error.message, server=False)
             raise error from err
         except (asyncio.CancelledError, GeneratorExit):
@@ -252,17 +270,11 @@ _DECODE_SPAN = "engine.v1.EngineService/Decode"
 _DECODE_ATTRIBUTES = rpc_attributes("Decode")
 
 
-def open_channel(target: str, security: ChannelSecurity) -> grpc.aio.Channel:
-    """A plaintext channel, or a TLS one (client certificate for mutual TLS, server name override)."""
-    if security.tls is None:
-        return grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
-    tls = security.tls
-    credentials = grpc.ssl_channel_credentials(root_certificates=tls.ca_pem, private_key=tls.key_pem,
-                                               certificate_chain=tls.cert_pem)
-    options = [*_CHANNEL_OPTIONS]
-    if tls.server_name is not None:
-        options.append(("grpc.ssl_target_name_override", tls.server_name))
-    return grpc.aio.secure_channel(target, credentials, options=options)
+def engine_tls(tls: TlsConfig | None) -> EngineTls | None:
+    """The client's TLS settings as the shared channel helper takes them (None: plaintext)."""
+    if tls is None:
+        return None
+    return EngineTls(ca_pem=tls.ca_pem, cert_pem=tls.cert_pem, key_pem=tls.key_pem, server_name=tls.server_name)
 
 
 def _chunk(message: engine_pb2.DecodeResponse, received_at: float) -> Chunk:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from typing import NoReturn
@@ -52,6 +53,13 @@ def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
+def replica_name(host: str, port: int) -> str:
+    """How this server names itself to clients: host:port, the host name for a wildcard host."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
 async def create_server(engine: Engine, cfg: ServerConfig, telemetry: RequestTelemetry | None = None
                         ) -> RunningServer:
     """Build the server with every service registered and bind it; health starts NOT_SERVING.
@@ -78,6 +86,7 @@ async def create_server(engine: Engine, cfg: ServerConfig, telemetry: RequestTel
         port = server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {address}")
+    servicer.replica = replica_name(cfg.host, port)
     return RunningServer(server, port, health_servicer, engine)
 
 

@@ -23,6 +23,7 @@ from engine_service.metrics import EngineMetrics, disabled_meter
 from engine_service.requests import Request
 from engine_service.sequence import FinishReason
 from engine_service.telemetry import RequestOutcome, RequestTelemetry
+from shared.engine_channel import REPLICA_HEADER
 from shared.errors import EngineError, InternalError, InvalidField, status_code_of, to_status
 from shared.tracing import extract_context, log_ids
 
@@ -55,6 +56,7 @@ class EngineServicer:
         self.engine = engine
         self.log_text = log_text  # --log-text: prompt and output text in the log (debug only)
         self.telemetry = telemetry or RequestTelemetry(EngineMetrics(disabled_meter(), engine.load, engine.waiting))
+        self.replica = ""  # this server's address, sent as `engine-replica` initial metadata (set once bound)
 
     async def decode(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
         started = time.monotonic()
@@ -63,6 +65,8 @@ class EngineServicer:
         msg, request_id, handle, error, finish = None, "", None, None, None
         code = grpc.StatusCode.CANCELLED  # unless the request gets further
         try:
+            if self.replica:  # which replica answers: a client behind round_robin cannot see its peer
+                await context.send_initial_metadata(((REPLICA_HEADER, self.replica),))
             msg = _parse_bytes(pb.DecodeRequest, raw)
             request_id = msg.request_id
             await self.engine.ready.wait()

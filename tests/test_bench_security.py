@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from bench_client import rpc
 from bench_client.config import ChannelSecurity, TlsConfig
 from bench_client.rpc import EngineClient
 from bench_client.sweep import SweepEnd
+from shared.engine_channel import channel_options
 from tests.bench_helpers import managed_engine, run_in_process, sweep_raw
 from tests.certs import CertSet, make_certs
 
@@ -124,8 +124,9 @@ def test_a_token_over_plaintext_and_a_dns_target(start_engine, tmp_path: Path,
     monkeypatch.setenv("BENCH_TEST_TOKEN", SECRET)
     asyncio.run(completes(secured(f"dns:///localhost:{engine.port}", auth={"token_env": "BENCH_TEST_TOKEN"}),
                           tmp_path / "dns"))
-    service_config = json.loads(dict(rpc._CHANNEL_OPTIONS)["grpc.service_config"])
+    service_config = json.loads(dict(channel_options())["grpc.service_config"])
     assert service_config["loadBalancingConfig"] == [{"round_robin": {}}]
+    assert service_config["healthCheckConfig"] == {"serviceName": "engine.v1.EngineService"}
 
 
 def test_a_managed_engine_over_mutual_tls(certs: CertSet, tmp_path: Path) -> None:
