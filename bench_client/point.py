@@ -60,6 +60,7 @@ class RequestOutcome:
     status_code: str | None = None  # the gRPC code name of a failed request
     reason: str | None = None
     message: str = ""
+    replica: str | None = None  # the replica that answered the last attempt (None: none was reached)
 
     @property
     def ok(self) -> bool:
@@ -159,23 +160,23 @@ class PointRunner:
             )
             chunks: list[Chunk] = []
             sent_at_unix, sent_at = time.time(), time.perf_counter()
+            stream = self.client.decode(decode, timeout=self.policy.request_timeout_s, attributes={
+                "bench.request.index": index, "bench.request.attempt": attempt, "bench.request.warmup": warmup})
             try:
-                async for chunk in self.client.decode(decode, timeout=self.policy.request_timeout_s, attributes={
-                        "bench.request.index": index, "bench.request.attempt": attempt,
-                        "bench.request.warmup": warmup}):
+                async for chunk in stream:
                     chunks.append(chunk)
             except EngineError as err:
-                outcome = await self._after_error(spec, err, index, warmup, attempt, bool(chunks))
+                outcome = await self._after_error(spec, err, index, warmup, attempt, bool(chunks), stream.replica)
                 if outcome is None:
                     continue
             else:
                 outcome = _success(index, warmup, attempt, sent_at, chunks, len(prompt))
-            outcome = dataclasses.replace(outcome, sent_at_unix=sent_at_unix)
+            outcome = dataclasses.replace(outcome, sent_at_unix=sent_at_unix, replica=stream.replica)
             self.observer.request_finished(spec, outcome)
             return outcome
 
     async def _after_error(self, spec: PointSpec, err: EngineError, index: int, warmup: bool, attempt: int,
-                           streamed: bool) -> RequestOutcome | None:
+                           streamed: bool, replica: str | None) -> RequestOutcome | None:
         """Apply the policy to one failed call: None means "retry", else the request's final outcome."""
         action = decide(err, first_token_seen=streamed)
         code = status_code_of(err).name
@@ -200,17 +201,14 @@ class PointRunner:
             await asyncio.sleep(delay)
             return None
         if action is Action.WAIT_FOR_HEALTH_THEN_RETRY:
+            # One health check through the target's channel answers SERVING at once while any replica
+            # serves (round_robin picks a healthy one): then retry now, there. Else poll, bounded.
             log.warning("engine_unavailable", point=spec.tag(), index=index, code=code, reason=err.reason,
-                        message=err.message, wait_s=self.policy.health_wait_s)
+                        message=err.message, replica=replica, wait_s=self.policy.health_wait_s)
             if not await self.health.wait_until_serving(self.policy.health_wait_s):
                 raise SweepStopped(f"the engine at {self.client.target} was not SERVING within "
                                    f"policy.health_wait_s={self.policy.health_wait_s:g} s after {code} "
                                    f"({err.message})")
-            if err.retry_delay is not None:
-                # ENGINE_DRAINING: health may already answer from another replica; still honour RetryInfo
-                await asyncio.sleep(backoff_delay(attempt, server_delay=err.retry_delay,
-                                                  initial=self.policy.backoff_initial_s,
-                                                  maximum=self.policy.backoff_max_s, rng=self._rng))
             return None
         raise AssertionError(f"policy action {action!r} has no handler")  # a client bug: crash
 

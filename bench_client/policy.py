@@ -1,7 +1,11 @@
 """The client's one policy table: what the sweep does about each failed call.
 
 The point runner asks `decide()` and does what it answers; nothing else in the client chooses
-between skipping, retrying, failing and stopping. The rows follow the engine.v1 failure contract
+between skipping, retrying, failing and stopping. With replicas behind one target (round_robin
+with client-side health checking, shared/engine_channel.py), UNAVAILABLE or ENGINE_DRAINING
+before the first token is retried at once when another replica is serving; the sweep waits for
+health only when none is. Mid-stream the same codes count the request failed: a replica's death
+stays visible in the point's counts. The rows follow the engine.v1 failure contract
 (proto/engine/v1/engine.proto).
 """
 
@@ -19,7 +23,10 @@ from shared.errors import EngineError, status_code_of
 class Action(enum.Enum):
     SKIP_POINT = "skip_point"  # the point cannot run as asked: record it skipped, send nothing more
     RETRY_AFTER_BACKOFF = "retry_after_backoff"  # wait >= the server's retry delay, retry (bounded)
-    WAIT_FOR_HEALTH_THEN_RETRY = "wait_for_health_then_retry"  # engine down: wait (bounded), retry
+    # this replica is draining or down: retry at once while another replica of the target serves
+    # (round_robin with health checking sends the retry there); when none does, wait for health
+    # (bounded by policy.health_wait_s), then retry
+    WAIT_FOR_HEALTH_THEN_RETRY = "wait_for_health_then_retry"
     COUNT_FAILED = "count_failed"  # this request failed; counted by code, the point goes on
     STOP_SWEEP = "stop_sweep"  # no point can succeed (credentials, wrong service): stop, resumable
 
@@ -45,7 +52,8 @@ TABLE: dict[tuple[grpc.StatusCode, str | None], Rule] = {
     (_C.RESOURCE_EXHAUSTED, None): Rule(_A.SKIP_POINT, _A.COUNT_FAILED,
                                         "a gRPC limit that the same request hits again"),
     (_C.UNAVAILABLE, None): Rule(_A.WAIT_FOR_HEALTH_THEN_RETRY, _A.COUNT_FAILED,
-                                 "the engine is draining, restarting or down; tokens already streamed are lost"),
+                                 "the replica is draining, restarting or down; tokens already streamed are lost, "
+                                 "so a stream cut by its death is failed, never retried"),
     (_C.ABORTED, None): Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "one sequence failed inside the engine"),
     (_C.DEADLINE_EXCEEDED, None): Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "timed out"),
     (_C.INTERNAL, None): Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "an engine bug on this request"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bench_client import metrics
@@ -46,7 +46,7 @@ def skipped_record(spec: PointSpec, *, engine: Mapping[str, Any] | None, target:
         "message": message,
         "skipped_without_sending": without_sending,
         "requests": {"sent": sent, "completed": 0, "failed": 0, "failed_by_code": {}, "failed_by_reason": {},
-                     "retries": 0, "warmup": 0},
+                     "retries": 0, "warmup": 0, "by_replica": {}},
         "metrics": None,
     }
 
@@ -78,9 +78,18 @@ def point_record(outcome: PointOutcome, *, engine: Mapping[str, Any] | None, tar
             "failed_by_reason": dict(sorted(by_reason.items())),
             "retries": outcome.retries,
             "warmup": warmup,
+            "by_replica": by_replica(outcome.requests),
         },
         "metrics": metrics.compute(ok, outcome.duration_s).as_dict(),
     }
+
+
+NO_REPLICA = "none"  # by_replica's key for requests whose last attempt reached no replica
+
+
+def by_replica(requests: Sequence[RequestOutcome]) -> dict[str, int]:
+    """Replica address -> measured requests whose last attempt it answered (sums to `sent`)."""
+    return dict(sorted(Counter(r.replica or NO_REPLICA for r in requests).items()))
 
 
 def request_record(spec: PointSpec, outcome: RequestOutcome, *, engine: Mapping[str, Any] | None,
@@ -88,7 +97,9 @@ def request_record(spec: PointSpec, outcome: RequestOutcome, *, engine: Mapping[
     """One line of requests.jsonl (--detail): `sent_at` in Unix seconds (the last attempt); the
     other times in seconds from it; `messages` lists [arrival, tokens] per streamed message;
     `prompt_tokens` and `cached_prompt_tokens` as the engine counted them (the latter: from its
-    prefix cache); `prefix_group` is the shared prefix the prompt began with (null without one)."""
+    prefix cache); `prefix_group` is the shared prefix the prompt began with (null without one);
+    `peer` is the replica that answered the last attempt (its engine-replica header; null when the
+    call reached none)."""
     record: dict[str, Any] = {
         "run_id": run_id,
         "engine": dict(engine) if engine is not None else None,
@@ -107,6 +118,7 @@ def request_record(spec: PointSpec, outcome: RequestOutcome, *, engine: Mapping[
         "code": outcome.status_code,
         "reason": outcome.reason,
         "message": outcome.message,
+        "peer": outcome.replica,
     }
     timeline = outcome.timeline
     if timeline is not None:

@@ -27,15 +27,18 @@ Point record schema `bench_client.point/1` (keys always present unless marked op
   grid), or null when the client targets a running engine.
 - `target`, `server_info` (GetServerInfo as an object; null if it could not be read).
 - `requests`: {"sent": n, "completed": n, "failed": n, "failed_by_code": {"ABORTED": n, ...},
-  "failed_by_reason": {"SEQUENCE_ABORTED": n, ...}, "retries": n, "warmup": n}.
+  "failed_by_reason": {"SEQUENCE_ABORTED": n, ...}, "retries": n, "warmup": n, "by_replica": {"host:port": n}}.
+  `by_replica`: the replica (its `engine-replica` header, host:port) that answered each measured
+  request's last attempt, "none" for a request that reached none; sums to `sent`. Optional: absent
+  in older records.
 - `metrics`: null when skipped, else the object of metrics.PointMetrics (latencies in ms with mean,
   median, p90, p99; throughputs per second; engine-reported queue time and TTFT;
   `total_cached_prompt_tokens` and `mean_cached_prompt_tokens` per completed request, the prompt
   tokens the engine's prefix cache supplied: optional, absent in older records and read as 0).
 - `started_at`, `finished_at`: Unix seconds; `run_id`: the sweep run that recorded the point.
 
-A request retried by the policy (QUEUE_FULL, UNAVAILABLE before its first token) is timed from its
-last attempt; `requests.retries` counts the extra attempts. Warmup requests are never measured.
+A request retried by the policy (QUEUE_FULL, UNAVAILABLE before its first token: at once on another
+replica when one serves) is timed from its last attempt; `requests.retries` counts the extra attempts. Warmup requests are never measured.
 """
 
 from __future__ import annotations
