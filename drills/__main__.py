@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import grpc
 
-from drills import crash, drain, fuzz, overload, readers, seqfaults
+from drills import crash, drain, fuzz, overload, readers, replicas, seqfaults
 from drills.common import note
 from drills.row import Row, markdown_table
 
@@ -21,6 +21,7 @@ DRILLS: dict[str, Callable[[bool], Row]] = {
     crash.NAME: crash.run,
     drain.NAME: drain.run,
     seqfaults.NAME: seqfaults.run,
+    replicas.NAME: replicas.run,
 }
 
 

@@ -1,0 +1,146 @@
+"""Rolling restart under load: three engines on loopback ports behind one `ipv4:` target, the bench
+client sweeping through them (round_robin with client-side health checking). During the sweep one
+replica is drained with SIGTERM and restarted on its port, then another is killed with SIGKILL and
+restarted. The sweep must complete in one run; every point is recorded exactly once with
+completed + failed == requests_per_point; no point is failed or skipped (the few requests cut
+mid-stream by the SIGKILL are failed, within max_error_rate, and are the only failures); requests
+land on all three replicas, and on each restarted one after its restart.
+Lost = points missing or duplicated, or counts that do not add up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from drills.common import ROOT, EngineProcess, free_port, note
+from drills.crash import Grid, recorded_lines
+from drills.row import Checks, Row
+
+NAME = "replicas"
+REPLICAS = 3
+GRACE_S = 10.0
+MAX_ERROR_RATE = 0.34  # a SIGKILL cuts the streams in flight on one replica of three: at most about a third
+SWEEP_TIMEOUT_S = 240.0
+CUT_CODES = {"UNAVAILABLE", "CANCELLED"}  # how a stream cut by its replica's death ends
+
+
+def start_replica(port: int) -> EngineProcess:
+    return EngineProcess("--model", "tiny", "--port", str(port), "--grace-seconds", f"{GRACE_S:g}").start()
+
+
+def config_toml(grid: Grid, target: str, rate: float) -> str:
+    """The crash drill's sweep, paced by `rate` requests/s so that each point lasts
+    requests_per_point / rate seconds however fast the engines are: the restarts land mid-sweep."""
+    return (grid.toml(target)
+            .replace("warmup_requests = 0", f"warmup_requests = 0\nrequest_rate = [{rate}]")
+            .replace("health_wait_s = 2.0", "health_wait_s = 30.0")) + f"max_error_rate = {MAX_ERROR_RATE}\n"
+
+
+def wait_points(out: Path, count: int, sweep: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait until `count` points are recorded while the sweep runs; False if it ended or time ran out."""
+    deadline = time.monotonic() + timeout
+    while recorded_lines(out) < count:
+        if sweep.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def run(quick: bool) -> Row:
+    # paced points of about 3 s (quick) / 4 s: about 24 s / 80 s of sweep around two restarts of ~3 s
+    grid, rate = ((Grid([8, 16, 24, 32, 40, 48, 56, 64], [3], 64, 12), 4.0) if quick
+                  else (Grid([8, 16, 32, 48, 64, 96, 128, 160, 192, 256], [3, 6], 96, 24), 6.0))
+    checks = Checks()
+    with tempfile.TemporaryDirectory(prefix="drill-replicas-") as tmp:
+        work = Path(tmp)
+        ports = [free_port() for _ in range(REPLICAS)]
+        addresses = [f"127.0.0.1:{p}" for p in ports]
+        replicas = [start_replica(p) for p in ports]
+        config, out = work / "replicas.toml", work / "out"
+        config.write_text(config_toml(grid, "ipv4:" + ",".join(addresses), rate))
+        note(NAME, f"sweep of {len(grid.points)} points over {REPLICAS} replicas; SIGTERM then SIGKILL, restarts")
+        restarted_at: dict[str, float] = {}
+        drain_exit: int | None = None
+        with (work / "sweep.log").open("ab") as log:
+            sweep = subprocess.Popen(
+                [sys.executable, "-m", "bench_client", "sweep", str(config), "--out", str(out), "--detail"],
+                cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            if checks.expect(wait_points(out, 1, sweep, 120), "the sweep ended or stalled before the SIGTERM"):
+                time.sleep(0.3)  # into the next point: streams in flight on every replica
+                replicas[0].signal(signal.SIGTERM)
+                drain_exit = replicas[0].wait(GRACE_S + 10)
+                note(NAME, f"{addresses[0]} drained (exit {drain_exit}); restarting it")
+                replicas[0] = start_replica(ports[0])
+                restarted_at[addresses[0]] = time.time()
+            after_drain = recorded_lines(out)
+            if checks.expect(wait_points(out, after_drain + 1, sweep, 120), "the sweep ended before the SIGKILL"):
+                time.sleep(0.3)
+                replicas[1].signal(signal.SIGKILL)
+                replicas[1].wait(10)
+                note(NAME, f"{addresses[1]} killed with SIGKILL; restarting it")
+                replicas[1] = start_replica(ports[1])
+                restarted_at[addresses[1]] = time.time()
+            code = sweep.wait(SWEEP_TIMEOUT_S)
+        finally:
+            if sweep.poll() is None:
+                sweep.kill()
+                sweep.wait(10)
+            for replica in replicas:
+                replica.kill()
+        records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+        details = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+        sweep_log = (work / "sweep.log").read_text(errors="replace")
+
+    checks.expect(code == 0, f"the sweep exited {code}: {sweep_log[-300:]}")
+    checks.expect(drain_exit == 0, f"the drained replica exited {drain_exit}")
+    problems = _audit(records, grid)
+    checks.expect(not problems, f"results: {problems[:3]}")
+    bad = [f"{r['context_tokens']}/{r['concurrency']}: {r['status']} {r['reason']}" for r in records
+           if r["status"] != "ok"]
+    checks.expect(not bad, f"points not ok: {bad[:3]}")
+    failed_by_code: Counter[str] = Counter()
+    by_replica: Counter[str] = Counter()
+    for r in records:
+        failed_by_code.update(r["requests"]["failed_by_code"])
+        by_replica.update(r["requests"]["by_replica"])
+    checks.expect(set(failed_by_code) <= CUT_CODES, f"failures other than cut streams: {dict(failed_by_code)}")
+    missing = [a for a in addresses if by_replica[a] == 0]
+    checks.expect(not missing, f"no requests landed on {missing} ({dict(by_replica)})")
+    after_restart = {a: sum(1 for d in details if d["peer"] == a and d["sent_at"] > t) for a, t in restarted_at.items()}
+    checks.expect(len(restarted_at) == 2 and all(after_restart.values()),
+                  f"restarted replicas served after their restart: {after_restart}")
+    retries = sum(r["requests"]["retries"] for r in records)
+    return checks.row(
+        NAME,
+        done=f"sweep of {len(grid.points)} points x {grid.requests_per_point} requests over {REPLICAS} tiny engines "
+             f"behind one ipv4: target (round_robin + health checking); mid-sweep one replica drained with SIGTERM "
+             f"and restarted, another killed with SIGKILL and restarted, on their ports",
+        expected="the sweep completes in one run; every point recorded once, none failed or skipped; "
+                 "completed + failed == requests_per_point; only streams cut by the SIGKILL fail; "
+                 "requests land on all three replicas, and on each restarted one again",
+        lost=len(problems),
+        figures={"replica restarts": 2, "points (replicas)": len(records),
+                 "cut by SIGKILL": sum(failed_by_code.values()), "retried on another replica": retries,
+                 "requests by replica": "/".join(str(by_replica[a]) for a in addresses),
+                 "served after restart": "/".join(str(after_restart.get(a, 0)) for a in addresses[:2])},
+    )
+
+
+def _audit(records: list[dict], grid: Grid) -> list[str]:  # type: ignore[type-arg]
+    """Every point exactly once, with counts that add up (as the crash drill audits)."""
+    keys = Counter((r["context_tokens"], r["max_new_tokens"], r["concurrency"]) for r in records)
+    problems = [f"point {k} recorded {n} times" for k, n in keys.items() if n > 1]
+    problems += [f"point {k} missing" for k in sorted(grid.points - set(keys))]
+    for r in records:
+        req = r["requests"]
+        if not req["sent"] == grid.requests_per_point == req["completed"] + req["failed"]:
+            problems.append(f"point {r['context_tokens']}/{r['concurrency']} counts {req}")
+    return problems
