@@ -55,8 +55,8 @@ def wait_points(out: Path, count: int, sweep: subprocess.Popen[bytes], timeout: 
 
 def run(quick: bool) -> Row:
     # paced points of about 3 s (quick) / 4 s: about 24 s / 80 s of sweep around two restarts of ~3 s
-    grid, rate = ((Grid([8, 16, 24, 32, 40, 48, 56, 64], [3], 64, 12), 4.0) if quick
-                  else (Grid([8, 16, 32, 48, 64, 96, 128, 160, 192, 256], [3, 6], 96, 24), 6.0))
+    grid, rate = ((Grid([8, 16, 24, 32, 40, 48, 56, 64], [3], 400, 12), 4.0) if quick
+                  else (Grid([8, 16, 32, 48, 64, 96, 128, 160, 192, 256], [3, 6], 600, 24), 6.0))
     checks = Checks()
     with tempfile.TemporaryDirectory(prefix="drill-replicas-") as tmp:
         work = Path(tmp)
@@ -74,7 +74,7 @@ def run(quick: bool) -> Row:
                 cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL, stderr=log)
         try:
             if checks.expect(wait_points(out, 1, sweep, 120), "the sweep ended or stalled before the SIGTERM"):
-                time.sleep(0.3)  # into the next point: streams in flight on every replica
+                replicas[0].wait_load(lambda load: load.running_sequences > 0, timeout=5)  # drain with work
                 replicas[0].signal(signal.SIGTERM)
                 drain_exit = replicas[0].wait(GRACE_S + 10)
                 note(NAME, f"{addresses[0]} drained (exit {drain_exit}); restarting it")
@@ -82,7 +82,7 @@ def run(quick: bool) -> Row:
                 restarted_at[addresses[0]] = time.time()
             after_drain = recorded_lines(out)
             if checks.expect(wait_points(out, after_drain + 1, sweep, 120), "the sweep ended before the SIGKILL"):
-                time.sleep(0.3)
+                replicas[1].wait_load(lambda load: load.running_sequences > 0, timeout=5)  # cut streams
                 replicas[1].signal(signal.SIGKILL)
                 replicas[1].wait(10)
                 note(NAME, f"{addresses[1]} killed with SIGKILL; restarting it")
