@@ -59,6 +59,9 @@ class EngineServiceServicer:
 
         The first message may come after queueing and prefill; each message carries the tokens made
         since the previous one (one or more); the last message carries finish_reason, usage and timing.
+        The initial metadata's `engine-replica` header names the replica that answers (its host:port,
+        or its host name and port when it listens on every interface), for callers that reach several
+        replicas through one round_robin channel and cannot see a call's peer.
 
         Errors (see the table above):
         - INVALID_ARGUMENT / INVALID_FIELD: a field is invalid (BadRequest.FieldViolation names it:
