@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
-from tests.engines import EngineProcess
+from shared.local_engine import EngineProcess
 
 LONG = 2000
 STEADY = 8
