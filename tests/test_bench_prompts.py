@@ -92,6 +92,17 @@ def test_impossible_prefixes_are_named(kwargs: dict[str, int], message: str) -> 
 # ---- the point runner, against a fake engine with a token-granular prefix cache -----------------
 
 
+class Answer:
+    """What EngineClient.decode returns: the chunks, and the replica that answered (one here)."""
+
+    def __init__(self, chunks: AsyncIterator[Chunk]) -> None:
+        self.replica = "fake:0"
+        self._chunks = chunks
+
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self._chunks
+
+
 class PrefixCachingEngine:
     """Answers each Decode with one token; reports as cached the longest start the prompt shares with
     any earlier prompt (a prefix cache of unbounded size)."""
@@ -102,8 +113,8 @@ class PrefixCachingEngine:
         self.prompts: dict[str, tuple[int, ...]] = {}
 
     def decode(self, spec: DecodeSpec, *, timeout: float,
-               attributes: Mapping[str, Any] | None = None) -> AsyncIterator[Chunk]:
-        return self._answer(spec)
+               attributes: Mapping[str, Any] | None = None) -> Answer:
+        return Answer(self._answer(spec))
 
     async def _answer(self, spec: DecodeSpec) -> AsyncIterator[Chunk]:
         ids = spec.prompt_token_ids
