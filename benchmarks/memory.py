@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_client.prompts import make_prompt
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 from engine_service.config import DEFAULT_PREFIX_CACHE_TOKENS
@@ -52,7 +53,7 @@ async def run(address: str, requests: int, concurrency: int, prompt: int, new: i
             nonlocal done
             for i in todo:
                 n = first + i
-                ids = ([3 + (n * 7919 + j * 104729 + (n * j) % 9973) % 40000 for j in range(prompt)] if distinct
+                ids = (list(make_prompt(seed=0, length=prompt, index=n, vocab_size=256)) if distinct
                        else [(i * 7 + j) % 256 for j in range(prompt)])
                 count = 0
                 async for msg in stub.Decode(pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=ids),

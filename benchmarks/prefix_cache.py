@@ -23,6 +23,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_client.prompts import make_prompt
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 from shared.local_engine import EngineProcess
@@ -30,18 +31,19 @@ from shared.local_engine import EngineProcess
 PREFIX, UNIQUE, NEW, CONCURRENCY = 1024, 64, 64, 8
 
 
-def tokens(seed: int, length: int) -> list[int]:
-    return [3 + (seed * 7919 + i * 104729 + (seed * i) % 9973) % 40000 for i in range(length)]
+def prompt(index: int) -> list[int]:
+    """The shared prefix, then this request's own tokens (as the bench client's prefix_tokens builds them)."""
+    return list(make_prompt(seed=0, length=PREFIX + UNIQUE, index=index, vocab_size=40003, avoid=(0, 1, 2),
+                            prefix_tokens=PREFIX))
 
 
 async def run(address: str, requests: int) -> tuple[float, float, int]:
     """(median TTFT s, output tok/s, cached prompt tokens per request, median) over `requests`."""
-    prefix = tokens(1, PREFIX)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
 
         async def one(i: int) -> tuple[float, int]:
-            ids = prefix + tokens(10 + i, UNIQUE)
+            ids = prompt(i)
             started, first, count, cached = time.perf_counter(), None, 0, 0
             async for msg in stub.Decode(pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=ids), max_new_tokens=NEW,
                                                           ignore_eos=True)):

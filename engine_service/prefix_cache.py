@@ -53,12 +53,10 @@ class _Block:
 
 
 class PrefixCache:
-    """A bounded store of full blocks' keys and values; `capacity_tokens` 0 makes every call a no-op."""
+    """A bounded store of full blocks' keys and values; `capacity_tokens` (whole blocks, as
+    EngineConfig validates it) 0 makes every call a no-op."""
 
     def __init__(self, capacity_tokens: int) -> None:
-        if capacity_tokens < 0 or capacity_tokens % BLOCK_TOKENS:
-            raise ValueError(f"prefix cache tokens must be 0 (off) or a positive multiple of the block size "
-                             f"{BLOCK_TOKENS}, got {capacity_tokens!r}")
         self.capacity_blocks = capacity_tokens // BLOCK_TOKENS
         self._index: dict[tuple[int, tuple[int, ...]], _Block] = {}
         self._lru: OrderedDict[int, _Block] = OrderedDict()  # oldest first

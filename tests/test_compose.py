@@ -7,7 +7,6 @@ real engine, and `docker-compose config` (and `promtool check config`) where the
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import re
 import shlex
@@ -20,10 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench_client import rpc
 from bench_client.config import load_config
 from bench_client.rpc import EngineClient
 from engine_service.cli import build_parser
+from shared.engine_channel import channel_options
 from shared.tracing import service_resource
 from tests.engines import ROOT
 
@@ -166,10 +165,7 @@ def test_the_bench_runs_the_compose_sweep_against_the_healthy_engine_into_a_volu
 def test_the_bench_clients_channel_balances_round_robin():
     """A `dns:///` name with several A records is only spread over the replicas by round_robin (the
     default pick_first would send every call to the first address)."""
-    if hasattr(rpc, "_CHANNEL_OPTIONS"):
-        options = dict(rpc._CHANNEL_OPTIONS)
-    else:  # the channel moved to shared.engine_channel (issue 13's health-aware balancing)
-        options = dict(importlib.import_module("shared.engine_channel").channel_options())
+    options = dict(channel_options())  # the bench client's channel is shared.engine_channel's
     policies = json.loads(options["grpc.service_config"])["loadBalancingConfig"]
     assert next(iter(policies[0])) == "round_robin"
 
