@@ -19,7 +19,8 @@ from typing import TextIO
 
 from bench_client.config import EngineLaunchConfig
 from bench_client.engine_process import ManagedEngine
-from bench_client.rpc import ChatMessage, ChatSpec, EngineClient
+from bench_client.rpc import EngineClient
+from bench_client.server_api import ChatMessage, ChatSpec, ServerClient
 
 DEFAULT_MODEL = "smollm2"
 
@@ -44,7 +45,7 @@ class Answer:
     completion_tokens: int
 
 
-async def ask(client: EngineClient, question: Question, *, timeout: float, out: TextIO) -> Answer:
+async def ask(client: ServerClient, question: Question, *, timeout: float, out: TextIO) -> Answer:
     """Send the question, write the answer's text to `out` as it streams in (then a newline), and
     return it; a failed call raises its EngineError (shared.errors), with the server's reason and
     message."""

@@ -29,7 +29,7 @@ from bench_client.config import PolicyConfig, WorkloadConfig
 from bench_client.metrics import Arrival, RequestTimeline
 from bench_client.policy import Action, backoff_delay, decide
 from bench_client.prompts import make_prompt
-from bench_client.rpc import Chunk, DecodeSpec, EngineClient, ServerInfo
+from bench_client.server_api import Chunk, DecodeSpec, ServerClient, ServerInfo
 from shared.errors import EngineError, status_code_of
 
 log = structlog.get_logger()
@@ -98,7 +98,7 @@ class PointObserver(Protocol):
 
 
 class PointRunner:
-    def __init__(self, client: EngineClient, server_info: ServerInfo, workload: WorkloadConfig,
+    def __init__(self, client: ServerClient, server_info: ServerInfo, workload: WorkloadConfig,
                  policy: PolicyConfig, health: HealthGate, observer: PointObserver, run_id: str) -> None:
         self.client = client
         self.server_info = server_info

@@ -10,7 +10,7 @@ from typing import Any
 from bench_client import metrics
 from bench_client.point import PointOutcome, PointSpec, RequestOutcome
 from bench_client.results import SCHEMA, rate_to_json
-from bench_client.rpc import ServerInfo
+from bench_client.server_api import ServerInfo
 
 ERROR_RATE_EXCEEDED = "ERROR_RATE_EXCEEDED"
 

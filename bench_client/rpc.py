@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,32 +25,13 @@ from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
 from bench_client.config import ChannelSecurity, TlsConfig
+from bench_client.server_api import ChatSpec, Chunk, DecodeSpec, DecodeStream, EngineTiming, ServerInfo
 from engine.v1 import engine_pb2, engine_pb2_grpc
 from shared.engine_channel import SERVICE_NAME, EngineChannel, EngineTls, open_engine_channel, replica_of
 from shared.errors import from_rpc_error, status_code_of
 from shared.tracing import inject_metadata, rpc_attributes, set_rpc_outcome
 
 tracer = trace.get_tracer("bench_client")
-
-
-@dataclass(frozen=True)
-class ServerInfo:
-    model: str
-    max_context_tokens: int
-    max_new_tokens_limit: int
-    max_batch_size: int
-    queue_capacity: int
-    vocab_size: int
-    eos_token_id: int
-    bos_token_id: int
-    device: str
-    dtype: str
-    tokenizer: str
-    engine_version: str
-    has_chat_template: bool = False
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -61,68 +42,6 @@ class LoadSnapshot:
     kv_cache_capacity_tokens: int
     requests_finished: int
     draining: bool
-
-
-@dataclass(frozen=True)
-class DecodeSpec:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    max_new_tokens: int
-    ignore_eos: bool
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str  # "system", "user", "assistant"
-    content: str
-
-
-@dataclass(frozen=True)
-class ChatSpec:
-    request_id: str
-    messages: tuple[ChatMessage, ...]
-    max_new_tokens: int
-    temperature: float  # 0: greedy
-    seed: int
-
-
-@dataclass(frozen=True)
-class EngineTiming:
-    queue_seconds: float
-    time_to_first_token_seconds: float
-    total_seconds: float
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One streamed message: when it arrived, how many tokens it carried and their text."""
-
-    received_at: float  # time.perf_counter()
-    num_tokens: int
-    text: str  # "" where the engine's tokenizer cannot detokenize (or holds back a partial character)
-    finish_reason: str | None  # "LENGTH", "EOS", "STOP" on the last message
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    timing: EngineTiming | None
-    cached_prompt_tokens: int | None = None  # of prompt_tokens, those whose KV came from the prefix cache
-
-
-class DecodeStream:
-    """The chunks of one Decode call (iterate it once), and the replica that answered it: set from
-    the call's `engine-replica` header once the engine answered (a chunk or an error), None while
-    nothing came back or when no replica was reached."""
-
-    def __init__(self) -> None:
-        self.replica: str | None = None
-        self._chunks: AsyncIterator[Chunk] | None = None
-
-    def __aiter__(self) -> AsyncIterator[Chunk]:
-        assert self._chunks is not None, "a DecodeStream is built by EngineClient.decode or .chat"
-        return self._chunks
 
 
 class EngineClient:
@@ -220,7 +139,7 @@ class EngineClient:
     def _stream(self, request: engine_pb2.DecodeRequest, timeout: float,
                 attributes: Mapping[str, AttributeValue]) -> DecodeStream:
         stream = DecodeStream()
-        stream._chunks = self._chunks(request, timeout, attributes, stream)
+        stream._chunks = self._chunks(request, timeout, attributes, stream)  # the stream it fills in
         return stream
 
     async def _chunks(self, request: engine_pb2.DecodeRequest, timeout: float,

@@ -35,7 +35,8 @@ from bench_client.engine_process import EngineExit, EngineStartError, ManagedEng
 from bench_client.point import PointRunner, PointSkipped, PointSpec, RequestOutcome, SweepStopped
 from bench_client.progress import SweepProgress
 from bench_client.results import PointKey, ResultsDir, engine_key, rate_to_json
-from bench_client.rpc import EngineClient, ServerInfo
+from bench_client.rpc import EngineClient
+from bench_client.server_api import ServerInfo
 from shared.errors import EngineError, status_code_of
 from shared.tracing import record_skip
 

@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from bench_client import records
-from bench_client.rpc import DecodeSpec, EngineClient
+from bench_client.rpc import EngineClient
+from bench_client.server_api import DecodeSpec
 from bench_client.sweep import SweepEnd
 from tests.bench_helpers import point_counts, read_results, run_in_process, sweep_raw
 

@@ -19,7 +19,8 @@ from bench_client.point import PointOutcome, PointRunner, PointSpec, RequestOutc
 from bench_client.progress import SweepProgress
 from bench_client.prompts import make_prompt
 from bench_client.results import PointKey, ResultsDir
-from bench_client.rpc import Chunk, DecodeSpec, ServerInfo, _chunk
+from bench_client.rpc import _chunk
+from bench_client.server_api import Chunk, DecodeSpec, ServerInfo
 from bench_client.sweep import SweepRunner, grid_points
 from engine.v1 import engine_pb2
 

@@ -16,7 +16,7 @@ import pytest
 from bench_client.config import PolicyConfig, WorkloadConfig
 from bench_client.point import PointRunner, PointSpec, RequestOutcome, SweepStopped
 from bench_client.records import by_replica
-from bench_client.rpc import Chunk, DecodeSpec, ServerInfo
+from bench_client.server_api import Chunk, DecodeSpec, ServerInfo
 from bench_client.sweep import SweepEnd
 from shared.errors import EngineDraining, EngineError, EngineUnavailable
 from tests.bench_helpers import run_in_process, sweep_raw

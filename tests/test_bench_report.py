@@ -15,7 +15,7 @@ from bench_client.metrics import Arrival, RequestTimeline
 from bench_client.point import PointOutcome, PointSpec, RequestOutcome
 from bench_client.report import LATENCY_PLOT, THROUGHPUT_PLOT, print_table, write_plots
 from bench_client.results import RESULTS
-from bench_client.rpc import ServerInfo
+from bench_client.server_api import ServerInfo
 
 INFO = ServerInfo(model="tiny", max_context_tokens=256, max_new_tokens_limit=4096, max_batch_size=8,
                   queue_capacity=64, vocab_size=258, eos_token_id=257, bos_token_id=256, device="cpu",
