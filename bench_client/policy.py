@@ -6,7 +6,8 @@ with client-side health checking, shared/engine_channel.py), UNAVAILABLE or ENGI
 before the first token is retried at once when another replica is serving; the sweep waits for
 health only when none is. Mid-stream the same codes count the request failed: a replica's death
 stays visible in the point's counts. The rows follow the engine.v1 failure contract
-(proto/engine/v1/engine.proto).
+(proto/engine/v1/engine.proto); the HTTP adapter (openai_errors.py) builds the same classes from
+an OpenAI-compatible server's answers, so one table decides for both protocols.
 """
 
 from __future__ import annotations
@@ -17,7 +18,22 @@ from dataclasses import dataclass
 
 import grpc
 
-from shared.errors import EngineError, status_code_of
+from shared.errors import (
+    Cancelled,
+    ClientTimeout,
+    DeadlineExceeded,
+    EngineDraining,
+    EngineError,
+    EngineUnavailable,
+    InternalError,
+    InvalidRequest,
+    PermissionDenied,
+    QueueFull,
+    SequenceError,
+    StreamError,
+    Unauthenticated,
+    status_code_of,
+)
 
 
 class Action(enum.Enum):
@@ -41,44 +57,71 @@ class Rule:
 _C = grpc.StatusCode
 _A = Action
 
-# (status code, ErrorInfo reason or None for "any reason, or no details") -> rule.
-# A row with a reason wins over the row of the same code with None.
-TABLE: dict[tuple[grpc.StatusCode, str | None], Rule] = {
-    (_C.INVALID_ARGUMENT, None): Rule(_A.SKIP_POINT, _A.COUNT_FAILED,
-                                      "the request cannot be served as asked; retrying cannot help"),
-    (_C.RESOURCE_EXHAUSTED, "QUEUE_FULL"): Rule(_A.RETRY_AFTER_BACKOFF, _A.COUNT_FAILED,
-                                                "the queue is full now; it drains"),
-    # Without QUEUE_FULL it is gRPC's own message-size limit: the same prompt fails every time.
-    (_C.RESOURCE_EXHAUSTED, None): Rule(_A.SKIP_POINT, _A.COUNT_FAILED,
-                                        "a gRPC limit that the same request hits again"),
-    (_C.UNAVAILABLE, None): Rule(_A.WAIT_FOR_HEALTH_THEN_RETRY, _A.COUNT_FAILED,
-                                 "the replica is draining, restarting or down; tokens already streamed are lost, "
-                                 "so a stream cut by its death is failed, never retried"),
-    (_C.ABORTED, None): Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "one sequence failed inside the engine"),
-    (_C.DEADLINE_EXCEEDED, None): Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "timed out"),
-    (_C.INTERNAL, None): Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "an engine bug on this request"),
-    (_C.UNKNOWN, None): Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "an unmapped engine exception"),
+# The domain classes that the adapters build (shared.errors): an error's most specific class that
+# has a row decides. Both protocols arrive here: the HTTP adapter builds the same classes.
+BY_CLASS: dict[type[EngineError], Rule] = {
+    # InvalidField, ContextLengthExceeded (the sweep learns the limit from it) and HTTP's BadRequest
+    InvalidRequest: Rule(_A.SKIP_POINT, _A.COUNT_FAILED, "the request cannot be served as asked; retrying cannot help"),
+    QueueFull: Rule(_A.RETRY_AFTER_BACKOFF, _A.COUNT_FAILED, "the queue is full now (HTTP 429/503); it drains"),
+    EngineDraining: Rule(_A.WAIT_FOR_HEALTH_THEN_RETRY, _A.COUNT_FAILED,
+                         "the replica is draining; tokens already streamed are lost, so a cut stream is failed"),
+    EngineUnavailable: Rule(_A.WAIT_FOR_HEALTH_THEN_RETRY, _A.COUNT_FAILED,
+                            "the server is restarting or down (connection refused or reset); a stream cut by its "
+                            "death is failed, never retried"),
     # This client's own cancellations never arrive here (grpc.aio raises asyncio.CancelledError for
     # them): a CANCELLED status comes from the engine's side, where gRPC cancels the calls it had
     # accepted but not started when the server stops. The engine is going away, as for UNAVAILABLE.
-    (_C.CANCELLED, None): Rule(_A.WAIT_FOR_HEALTH_THEN_RETRY, _A.COUNT_FAILED,
-                               "the engine's server stopped with the call unstarted; tokens already streamed are lost"),
-    (_C.UNAUTHENTICATED, None): Rule(_A.STOP_SWEEP, _A.STOP_SWEEP, "every request will fail: fix credentials"),
-    (_C.PERMISSION_DENIED, None): Rule(_A.STOP_SWEEP, _A.STOP_SWEEP, "every request will fail: fix credentials"),
-    (_C.UNIMPLEMENTED, None): Rule(_A.STOP_SWEEP, _A.STOP_SWEEP, "the target does not serve engine.v1"),
+    Cancelled: Rule(_A.WAIT_FOR_HEALTH_THEN_RETRY, _A.COUNT_FAILED,
+                    "the engine's server stopped with the call unstarted; tokens already streamed are lost"),
+    SequenceError: Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "one sequence failed inside the engine"),
+    DeadlineExceeded: Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "the engine's deadline passed"),
+    ClientTimeout: Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "the client's policy.request_timeout_s passed"),
+    InternalError: Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "an engine bug on this request"),
+    StreamError: Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "the server failed the request inside its stream"),
+    Unauthenticated: Rule(_A.STOP_SWEEP, _A.STOP_SWEEP, "every request will fail: fix credentials"),
+    PermissionDenied: Rule(_A.STOP_SWEEP, _A.STOP_SWEEP, "every request will fail: fix credentials"),
 }
-# Any other code (NOT_FOUND, FAILED_PRECONDITION, DATA_LOSS, ...) is not in the contract.
-DEFAULT_RULE = Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "a status outside the engine.v1 contract")
+
+# A status that came without details (TransportError) has no class of its own: its code decides.
+BY_CODE: dict[grpc.StatusCode, Rule] = {
+    _C.INVALID_ARGUMENT: Rule(_A.SKIP_POINT, _A.COUNT_FAILED, "a refusal without details; retrying cannot help"),
+    # gRPC's own message-size limit: the same prompt fails every time.
+    _C.RESOURCE_EXHAUSTED: Rule(_A.SKIP_POINT, _A.COUNT_FAILED, "a gRPC limit that the same request hits again"),
+    _C.UNAVAILABLE: Rule(_A.WAIT_FOR_HEALTH_THEN_RETRY, _A.COUNT_FAILED, "the server is down or unreachable"),
+    _C.UNAUTHENTICATED: Rule(_A.STOP_SWEEP, _A.STOP_SWEEP, "every request will fail: fix credentials"),
+    _C.PERMISSION_DENIED: Rule(_A.STOP_SWEEP, _A.STOP_SWEEP, "every request will fail: fix credentials"),
+    _C.UNIMPLEMENTED: Rule(_A.STOP_SWEEP, _A.STOP_SWEEP, "the target does not serve this API (or this route)"),
+}
+# Any other code (UNKNOWN, INTERNAL, NOT_FOUND, DATA_LOSS, ...): this request failed.
+DEFAULT_RULE = Rule(_A.COUNT_FAILED, _A.COUNT_FAILED, "a status outside the contract")
 
 
-def rule_for(code: grpc.StatusCode, reason: str | None) -> Rule:
-    return TABLE.get((code, reason)) or TABLE.get((code, None)) or DEFAULT_RULE
+def rule_for(err: EngineError) -> Rule:
+    """The row of the error's most specific class that has one, else of its status code."""
+    for cls in type(err).__mro__:
+        if cls in BY_CLASS:
+            return BY_CLASS[cls]
+    return BY_CODE.get(status_code_of(err), DEFAULT_RULE)
 
 
 def decide(err: EngineError, *, first_token_seen: bool) -> Action:
     """The action for one failed call, given whether any token of it had arrived."""
-    rule = rule_for(status_code_of(err), err.reason or None)
+    rule = rule_for(err)
     return rule.mid_stream if first_token_seen else rule.before_first_token
+
+
+def decide_server_info(err: EngineError) -> Action:
+    """A failed GetServerInfo (or /props) before the points: wait for health and ask again when the
+    table would wait for that error, else stop the sweep (nothing can be measured without it)."""
+    action = decide(err, first_token_seen=False)
+    return action if action is Action.WAIT_FOR_HEALTH_THEN_RETRY else Action.STOP_SWEEP
+
+
+def decide_preview(err: EngineError) -> Action:
+    """A failed preview question: the sweep goes on (no point depends on it; a model without a chat
+    template refuses it), unless the table stops the sweep for that error (credentials)."""
+    action = decide(err, first_token_seen=False)
+    return action if action is Action.STOP_SWEEP else Action.COUNT_FAILED
 
 
 def backoff_delay(attempt: int, *, server_delay: float | None, initial: float, maximum: float,

@@ -2,7 +2,11 @@
 
 Each exception class declares its status code and ErrorInfo reason, so the classes *are* the
 table (as in google-api-core): servers turn an exception into a status with `to_status`, clients
-turn a `grpc.RpcError` back into the exception with `from_rpc_error`.
+turn a `grpc.RpcError` back into the exception with `from_rpc_error`. The bench client's HTTP
+adapter (bench_client/openai_errors.py) is the other door in: it turns an OpenAI-compatible
+server's answer into the same classes, with the HTTP status it came with (`http_status`), so that
+one policy table decides for both protocols. The classes after `Statuses that travel without our
+details` are the client's alone: no engine sends their reasons.
 """
 
 from __future__ import annotations
@@ -40,18 +44,20 @@ class EngineError(Exception):
         self.metadata: dict[str, str] = {k: str(v) for k, v in (metadata or {}).items()}
         self.retry_delay = retry_delay
         self.field = field
+        self.http_status: int | None = None  # the HTTP status it came with (None: over gRPC)
 
     def __reduce__(self):  # keep exceptions picklable despite keyword-only arguments
-        return (_rebuild, (type(self), self.message, self.metadata, self.retry_delay, self.field))
+        return (_rebuild, (type(self), self.message, self.metadata, self.retry_delay, self.field, self.http_status))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.message!r}, reason={self.reason!r}, metadata={self.metadata!r})"
 
 
-def _rebuild(cls, message, metadata, retry_delay, field):  # type: ignore[no-untyped-def]
+def _rebuild(cls, message, metadata, retry_delay, field, http_status=None):  # type: ignore[no-untyped-def]
     """An instance of `cls` with these attributes, past its own __init__ (InvalidField's takes others)."""
     err = EngineError.__new__(cls)
     EngineError.__init__(err, message, metadata=metadata, retry_delay=retry_delay, field=field)
+    err.http_status = http_status
     return err
 
 
@@ -188,6 +194,36 @@ class TransportError(EngineError):
     """Any other status without our details (for example gRPC's own message-size limit)."""
 
 
+class ClientTimeout(EngineError):
+    """The client's own timeout (policy.request_timeout_s) passed before the answer ended: the
+    server said nothing, unlike the engine's DeadlineExceeded, which carries its ErrorInfo."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "CLIENT_TIMEOUT"
+
+
+class PermissionDenied(EngineError):
+    """The credentials were read but refused (HTTP 403; PERMISSION_DENIED): fix them."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "PERMISSION_DENIED"
+
+
+class BadRequest(InvalidRequest):
+    """An HTTP server refused the request as malformed or unsupported (a 400 or 422 that is not
+    about the context length); the message is the server's own. Never retry it."""
+
+    reason = "BAD_REQUEST"
+
+
+class StreamError(EngineError):
+    """The server failed the request inside an answer that had begun well (an error frame in a
+    200 event stream); `status_code` and `http_status` are the frame's code."""
+
+    code = grpc.StatusCode.UNKNOWN
+    reason = "STREAM_ERROR"
+
+
 # The one table: ErrorInfo.reason -> exception class, for every reason the proto declares.
 BY_REASON: Mapping[str, type[EngineError]] = {
     cls.reason: cls
@@ -198,7 +234,7 @@ BY_REASON: Mapping[str, type[EngineError]] = {
 _BY_CODE_WITHOUT_DETAILS: Mapping[grpc.StatusCode, type[EngineError]] = {
     grpc.StatusCode.UNAVAILABLE: EngineUnavailable,
     grpc.StatusCode.CANCELLED: Cancelled,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ClientTimeout,  # grpc's own deadline: the engine would have said
 }
 
 
@@ -281,4 +317,9 @@ def from_rpc_error(err: grpc.RpcError) -> EngineError:
 def status_code_of(err: EngineError) -> grpc.StatusCode:
     """The status code an error travelled with (the class's own unless received otherwise)."""
     return getattr(err, "status_code", err.code)
+
+
+def wire_code(err: EngineError) -> str:
+    """The code as it travelled, for records and tables: "HTTP_429" over HTTP, else the gRPC name."""
+    return f"HTTP_{err.http_status}" if err.http_status is not None else status_code_of(err).name
 

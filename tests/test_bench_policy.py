@@ -7,9 +7,20 @@ import random
 import grpc
 import pytest
 
-from bench_client.policy import TABLE, Action, backoff_delay, decide, rule_for
+from bench_client.policy import (
+    BY_CLASS,
+    BY_CODE,
+    Action,
+    backoff_delay,
+    decide,
+    decide_preview,
+    decide_server_info,
+    rule_for,
+)
 from shared.errors import (
+    BadRequest,
     Cancelled,
+    ClientTimeout,
     ContextLengthExceeded,
     DeadlineExceeded,
     EngineDraining,
@@ -17,8 +28,10 @@ from shared.errors import (
     EngineUnavailable,
     InternalError,
     InvalidField,
+    PermissionDenied,
     QueueFull,
     SequenceError,
+    StreamError,
     TransportError,
     Unauthenticated,
 )
@@ -42,7 +55,16 @@ def received(cls: type[EngineError], code: grpc.StatusCode, message: str = "m") 
      Action.COUNT_FAILED),
     (SequenceError.build("r1", 3, "boom"), Action.COUNT_FAILED, Action.COUNT_FAILED),
     (DeadlineExceeded.build("r1", 3), Action.COUNT_FAILED, Action.COUNT_FAILED),
-    (received(DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED), Action.COUNT_FAILED, Action.COUNT_FAILED),
+    (received(ClientTimeout, grpc.StatusCode.DEADLINE_EXCEEDED), Action.COUNT_FAILED, Action.COUNT_FAILED),
+    (received(TransportError, grpc.StatusCode.INVALID_ARGUMENT), Action.SKIP_POINT, Action.COUNT_FAILED),
+    (received(TransportError, grpc.StatusCode.UNAVAILABLE), Action.WAIT_FOR_HEALTH_THEN_RETRY, Action.COUNT_FAILED),
+    (received(TransportError, grpc.StatusCode.UNAUTHENTICATED), Action.STOP_SWEEP, Action.STOP_SWEEP),
+    (received(TransportError, grpc.StatusCode.PERMISSION_DENIED), Action.STOP_SWEEP, Action.STOP_SWEEP),
+    # what the HTTP adapter builds (openai_errors.py): the same classes, so the same rows
+    (BadRequest("top_k must be >= 0"), Action.SKIP_POINT, Action.COUNT_FAILED),
+    (PermissionDenied("forbidden"), Action.STOP_SWEEP, Action.STOP_SWEEP),
+    (received(StreamError, grpc.StatusCode.INTERNAL), Action.COUNT_FAILED, Action.COUNT_FAILED),
+    (received(StreamError, grpc.StatusCode.UNAVAILABLE), Action.COUNT_FAILED, Action.COUNT_FAILED),
     (InternalError.build("r1"), Action.COUNT_FAILED, Action.COUNT_FAILED),
     (received(TransportError, grpc.StatusCode.UNKNOWN), Action.COUNT_FAILED, Action.COUNT_FAILED),
     (received(Cancelled, grpc.StatusCode.CANCELLED), Action.WAIT_FOR_HEALTH_THEN_RETRY, Action.COUNT_FAILED),
@@ -56,11 +78,25 @@ def test_policy_table(error: EngineError, before: Action, mid: Action) -> None:
 
 
 def test_every_row_has_a_reason_to_exist() -> None:
-    for (code, _reason), rule in TABLE.items():
-        assert rule.why, code
-    # a reason row wins over its code's generic row
-    assert rule_for(grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_FULL").before_first_token is Action.RETRY_AFTER_BACKOFF
-    assert rule_for(grpc.StatusCode.RESOURCE_EXHAUSTED, None).before_first_token is Action.SKIP_POINT
+    for key, rule in [*BY_CLASS.items(), *BY_CODE.items()]:
+        assert rule.why, key
+    # a class row wins over its code's row: QUEUE_FULL retries, gRPC's own size limit skips
+    assert rule_for(QueueFull.build(1, 1, 0.1)).before_first_token is Action.RETRY_AFTER_BACKOFF
+    assert rule_for(received(TransportError, grpc.StatusCode.RESOURCE_EXHAUSTED)).before_first_token is Action.SKIP_POINT
+    # the most specific class decides: a subclass without a row of its own takes its parent's
+    assert rule_for(ContextLengthExceeded.build(9, 1, 8)) is BY_CLASS[type(InvalidField("f", 1, "m")).__mro__[1]]
+
+
+def test_setup_calls_wait_only_where_the_table_waits_and_the_preview_stops_only_for_credentials() -> None:
+    assert decide_server_info(received(EngineUnavailable, grpc.StatusCode.UNAVAILABLE)) is \
+        Action.WAIT_FOR_HEALTH_THEN_RETRY
+    assert decide_server_info(EngineDraining.build(1.0)) is Action.WAIT_FOR_HEALTH_THEN_RETRY
+    for err in (QueueFull.build(1, 1, 0.1), InternalError.build("r"), Unauthenticated("no"),
+                received(TransportError, grpc.StatusCode.UNIMPLEMENTED)):
+        assert decide_server_info(err) is Action.STOP_SWEEP, err
+    assert decide_preview(InvalidField("chat", "", "no chat template")) is Action.COUNT_FAILED
+    assert decide_preview(received(EngineUnavailable, grpc.StatusCode.UNAVAILABLE)) is Action.COUNT_FAILED
+    assert decide_preview(Unauthenticated("no token")) is Action.STOP_SWEEP
 
 
 def test_backoff_honours_retry_info_and_is_bounded() -> None:

@@ -16,6 +16,7 @@ from google.rpc import error_details_pb2, status_pb2
 from shared.errors import (
     DOMAIN,
     STATUS_DETAILS_KEY,
+    ClientTimeout,
     ContextLengthExceeded,
     DeadlineExceeded,
     EngineDraining,
@@ -30,6 +31,7 @@ from shared.errors import (
     status_code_of,
     to_status,
     to_status_proto,
+    wire_code,
 )
 
 
@@ -113,9 +115,11 @@ def test_received_status_without_details() -> None:
     assert type(err) is TransportError
     assert (err.message, err.metadata, err.retry_delay, err.field) == ("", {}, None, None)
     assert status_code_of(err) == grpc.StatusCode.DATA_LOSS
+    # grpc's own deadline, raised in the client: the client's timeout, never the engine's DeadlineExceeded
     deadline = from_rpc_error(FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
-    assert type(deadline) is DeadlineExceeded and deadline.message == "Deadline Exceeded"
-    assert status_code_of(deadline) == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert type(deadline) is ClientTimeout and deadline.message == "Deadline Exceeded"
+    assert (status_code_of(deadline), deadline.reason) == (grpc.StatusCode.DEADLINE_EXCEEDED, "CLIENT_TIMEOUT")
+    assert wire_code(deadline) == "DEADLINE_EXCEEDED"
 
 
 def test_received_code_is_kept_even_when_the_reason_decides_the_class() -> None:
@@ -134,11 +138,15 @@ def test_bad_request_without_violations_has_no_field() -> None:
 
 
 def test_pickle_keeps_every_attribute() -> None:
-    for err in (InvalidField("f", 1, "f must be 0, got 1"), QueueFull.build(3, 4, 0.5)):
+    over_http = QueueFull("slots busy", retry_delay=2.0)
+    over_http.http_status = 429
+    for err in (InvalidField("f", 1, "f must be 0, got 1"), QueueFull.build(3, 4, 0.5), over_http):
         back = pickle.loads(pickle.dumps(err))
-        assert (type(back), back.message, back.metadata, back.retry_delay, back.field) == (
-            type(err), err.message, err.metadata, err.retry_delay, err.field)
-        assert back.message != "None" and back.metadata and (back.field is not None or back.retry_delay is not None)
+        assert (type(back), back.message, back.metadata, back.retry_delay, back.field, back.http_status) == (
+            type(err), err.message, err.metadata, err.retry_delay, err.field, err.http_status)
+        assert back.message != "None" and (back.field is not None or back.retry_delay is not None)
+        assert back.metadata or err is over_http
+    assert wire_code(pickle.loads(pickle.dumps(over_http))) == "HTTP_429"
 
 
 def test_repr_names_class_reason_and_metadata() -> None:
