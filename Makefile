@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 OUT ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 Q ?= What is the capital of France?
 
-.PHONY: setup demo test serve chat lint proto drills mutate
+.PHONY: setup demo test serve chat lint proto drills mutate peers
 
 setup: $(VENV)/.installed
 
@@ -32,6 +32,12 @@ serve: setup
 chat: setup
 	$(if $(Q),,$(error Q is empty: give the question, as in make chat Q="What is the capital of France?"))
 	$(BIN)/python -m bench_client chat "$(Q)" $(if $(TARGET),--target $(TARGET))
+
+# The peers: llama.cpp's llama-server (which the real-server sweep tests run) and its benches, built from the
+# source the llama-cpp-python sdist vendors into ~/.cache/engine-bench/ ($$LLAMACPP_CACHE), by
+# benchmarks/llamacpp.py. About 15-20 minutes on 2 cores the first time; cached after (a few seconds).
+peers: setup
+	$(BIN)/python benchmarks/llamacpp.py --build-only
 
 lint: setup
 	$(BIN)/ruff check .

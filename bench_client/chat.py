@@ -78,7 +78,7 @@ async def managed_engine(model: str) -> AsyncIterator[str]:
     that does not become SERVING raises EngineStartError with its exit code and log tail."""
     with tempfile.TemporaryDirectory(prefix="bench-chat-") as log_dir:
         engine = ManagedEngine(MANAGED_LAUNCH, {"model": model}, Path(log_dir) / "engine.log",
-                               on_exit=lambda _exit: None)  # engine_process logs each exit already
+                               on_exit=lambda _exit: None, make_client=EngineClient)  # engine_process logs each exit already
         try:
             await engine.start()
             try:

@@ -1,11 +1,20 @@
-"""A managed engine: the client starts it as a subprocess, waits for health, restarts it after a
-crash (bounded), drains it with SIGTERM, and keeps its exit code and log tail for the results.
+"""A managed server: the client starts it as a subprocess (this engine, or an OpenAI-compatible
+peer such as llama-server), waits for health, restarts it after a crash (bounded), drains it with
+SIGTERM, and keeps its exit code and log tail for the results.
+
+The port: an engine.v1 server is started with `{port}` = 0 and binds a free port itself; the
+runner reads the port from its `server_started` log line (as tools/local_engine.py does), so no
+other process can take the port between choosing and binding it. A restart binds the same port
+again, so the sweep's client keeps its target. An OpenAI-compatible server is given a port the
+runner found free (llama-server and its kind do not report a port they chose).
+Health is the adapter's: engine.v1's gRPC health service, or `GET /health` answering 200.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import signal
 import socket
@@ -19,10 +28,13 @@ from typing import Any
 
 import structlog
 
-from bench_client.config import ChannelSecurity, EngineLaunchConfig
-from bench_client.rpc import EngineClient
+from bench_client.command import build_command
+from bench_client.config import EngineLaunchConfig
+from bench_client.peers import PeerMissing
+from bench_client.server_api import ENGINE_V1, ServerClient
 
 log = structlog.get_logger()
+
 
 class EngineStartError(Exception):
     """A managed engine did not become SERVING; the message carries its exit code and log tail."""
@@ -57,56 +69,52 @@ def engine_configurations(launch: EngineLaunchConfig) -> list[dict[str, Any]]:
     return [dict(zip(keys, values, strict=True)) for values in itertools.product(*(v for _, v in launch.grid))]
 
 
-def build_command(launch: EngineLaunchConfig, settings: Mapping[str, Any], port: int) -> list[str]:
-    """Fill the command template; grid settings it does not mention are appended as `--key-name value`."""
-    values = {"python": sys.executable, "port": str(port), **{k: _flag_value(v) for k, v in settings.items()}}
-    command = [part.format(**values) for part in launch.command]
-    for key, value in settings.items():
-        if not any(f"{{{key}}}" in part for part in launch.command):
-            command += [f"--{key.replace('_', '-')}", _flag_value(value)]
-    return command
-
-
-def _flag_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
+SERVER_STARTED = "server_started"  # the engine's log event that names the port it bound
+
+
 class ManagedEngine:
-    """One engine configuration's process (and its restarts); also the sweep's HealthGate for it."""
+    """One server configuration's process (and its restarts); also the sweep's HealthGate for it.
+    `make_client` builds the adapter's client for a target (for health checks: over TLS when
+    configured); `api` says how the port is chosen and what the target looks like."""
 
     def __init__(self, launch: EngineLaunchConfig, settings: dict[str, Any], log_path: Path,
-                 on_exit: Callable[[EngineExit], None], security: ChannelSecurity | None = None) -> None:
+                 on_exit: Callable[[EngineExit], None], make_client: Callable[[str], ServerClient],
+                 api: str = ENGINE_V1) -> None:
         self.launch = launch
         self.settings = settings
         self.log_path = log_path
-        self.port = free_port()
-        self.target = f"127.0.0.1:{self.port}"
-        self.command = tuple(build_command(launch, settings, self.port))
+        self.api = api
+        self.port = 0 if api == ENGINE_V1 else free_port()  # 0: the engine binds one and logs it
+        self.target = ""  # known once the port is
+        self.command: tuple[str, ...] = ()
         self.restarts = 0
+        self._make_client = make_client
         self._on_exit = on_exit  # called with each EngineExit
         self._proc: subprocess.Popen[bytes] | None = None
         self._started_at = 0.0
+        self._log_offset = 0  # where this process's output starts in the log file
         self._last_exit: EngineExit | None = None
         self._lock = asyncio.Lock()
-        self.security = security
-        self._client = EngineClient(self.target, security)  # health checks: over TLS when configured
+        self._client: ServerClient | None = None
 
     async def start(self) -> None:
-        """Spawn the engine and wait for SERVING within startup_timeout_s, else EngineStartError."""
-        self._spawn()
+        """Spawn the server and wait for SERVING within startup_timeout_s, else EngineStartError."""
+        try:
+            self._spawn()
+        except PeerMissing as err:
+            raise EngineStartError(f"server {self.settings} cannot start: {err}") from err
         if not await self._wait_healthy(self.launch.startup_timeout_s):
             exit_ = await self._stop(how="failed_to_start")
+            unbound = " (it never logged server_started with the port it bound)" if self.port == 0 else ""
             raise EngineStartError(
-                f"engine {self.settings} ({' '.join(self.command)}) was not SERVING within "
-                f"engine.startup_timeout_s={self.launch.startup_timeout_s:g} s; exit code {exit_.exit_code}; "
+                f"server {self.settings} ({' '.join(self.command)}) was not SERVING within "
+                f"startup_timeout_s={self.launch.startup_timeout_s:g} s{unbound}; exit code {exit_.exit_code}; "
                 f"log {self.log_path}:\n" + "\n".join(exit_.log_tail[-15:]))
 
     async def wait_until_serving(self, timeout: float) -> bool:
@@ -119,7 +127,7 @@ class ManagedEngine:
                     if not self._restart():
                         return False
                     deadline = max(deadline, time.monotonic() + self.launch.startup_timeout_s)
-                if await self._client.is_serving(timeout=1.0):
+                if await self._is_serving():
                     return True
                 if time.monotonic() >= deadline:
                     return False
@@ -143,10 +151,13 @@ class ManagedEngine:
         return await self._stop(how="drained")
 
     async def close(self) -> None:
-        await self._client.close()
+        if self._client is not None:
+            await self._client.close()
 
     def _spawn(self) -> None:
-        log.info("engine_starting", engine=self.settings, command=" ".join(self.command), port=self.port)
+        self.command = tuple(build_command(self.launch.command, self.settings, self.port))
+        log.info("engine_starting", engine=self.settings, command=" ".join(self.command), port=self.port or None)
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as log_file:
             # Through parent_death, so that the engine gets SIGTERM if the sweep dies (even by kill -9).
             guard = [sys.executable, "-m", "bench_client.parent_death", str(os.getpid())]
@@ -154,12 +165,24 @@ class ManagedEngine:
                                           stderr=subprocess.STDOUT, env=engine_environment(os.environ))
         self._started_at = time.time()
 
+    async def _is_serving(self) -> bool:
+        """One health check; False while the port is not known yet (the engine has not logged it)."""
+        if self._client is None:
+            if self.port == 0:
+                port = bound_port(self.log_path, self._log_offset)
+                if port is None:
+                    return False
+                self.port = port  # and every restart binds it again
+            self.target = f"127.0.0.1:{self.port}" if self.api == ENGINE_V1 else f"http://127.0.0.1:{self.port}"
+            self._client = self._make_client(self.target)
+        return await self._client.is_serving(timeout=1.0)
+
     async def _wait_healthy(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 return False
-            if await self._client.is_serving(timeout=1.0):
+            if await self._is_serving():
                 log.info("engine_serving", engine=self.settings, target=self.target, pid=self._proc.pid)
                 return True
             await asyncio.sleep(0.2)
@@ -200,6 +223,26 @@ class ManagedEngine:
         self._on_exit(exit_)
         self._last_exit = exit_
         return exit_
+
+
+def bound_port(log_path: Path, offset: int) -> int | None:
+    """The port of the first `server_started` event logged after `offset`, None before it appears."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    for line in data.splitlines():
+        if SERVER_STARTED.encode() not in line:
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a line of other output that names the event: not the engine's JSON log line
+        if isinstance(event, dict) and event.get("event") == SERVER_STARTED and isinstance(event.get("port"), int):
+            return int(event["port"])
+    return None
 
 
 def tail(path: Path, lines: int, max_bytes: int = 64 * 1024) -> list[str]:

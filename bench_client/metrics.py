@@ -11,8 +11,11 @@ Over successful requests only (failed ones are counted by the caller, by status 
 - request throughput = completed requests / point duration; output throughput = sum of output
   tokens / duration; total token throughput = (sum of prompt + output tokens) / duration.
 - cached prompt tokens: the prompt tokens whose KV the engine took from its prefix cache, as it
-  reports them (Usage.cached_prompt_tokens; 0 from an engine without one): their total and their
-  mean per completed request. They are part of the prompt tokens, not added to them.
+  reports them (Usage.cached_prompt_tokens; llama-server's cached_tokens; 0 from a server without
+  one): their total and their mean per completed request. They are part of the prompt tokens.
+- the server's own view, beside the client's: the requests whose usage block counts other output
+  tokens than the stream carried (`usage_mismatches`), and the mean of each figure the server
+  reported per request (`server_timings_mean`, from llama-server's `timings`).
 Each latency is summarised by mean, median, p90 and p99 (linear interpolation, as numpy's
 default), in milliseconds.
 """
@@ -21,8 +24,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 
 PERCENTILES = (50.0, 90.0, 99.0)
 
@@ -45,6 +48,13 @@ class RequestTimeline:
     engine_queue_s: float | None = None
     engine_ttft_s: float | None = None
     cached_prompt_tokens: int = 0  # of prompt_tokens, those the engine's prefix cache supplied
+    usage_completion_tokens: int | None = None  # the server's own count (its usage block), when it sent one
+    server_timings: Mapping[str, float] | None = None  # the server's own view (llama-server's `timings`)
+
+    @property
+    def usage_mismatch(self) -> bool:
+        """The server's usage counts other output tokens than the client counted in its stream."""
+        return self.usage_completion_tokens is not None and self.usage_completion_tokens != self.output_tokens
 
     @property
     def output_tokens(self) -> int:
@@ -128,6 +138,11 @@ class PointMetrics:
     e2el_ms: Summary
     engine_queue_ms: Summary
     engine_ttft_ms: Summary
+    # completed requests whose server-reported completion tokens differ from the tokens counted
+    usage_mismatches: int = 0
+    # the mean of each number the server reported about its requests (llama-server's `timings`:
+    # prompt_n, prompt_ms, cache_n, predicted_n, predicted_ms, ...), over the requests that reported it
+    server_timings_mean: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -160,4 +175,16 @@ def compute(timelines: Sequence[RequestTimeline], duration_s: float) -> PointMet
         e2el_ms=Summary.of(v for t in timelines if (v := t.e2el) is not None),
         engine_queue_ms=Summary.of(v for t in timelines if (v := t.engine_queue_s) is not None),
         engine_ttft_ms=Summary.of(v for t in timelines if (v := t.engine_ttft_s) is not None),
+        usage_mismatches=sum(1 for t in timelines if t.usage_mismatch),
+        server_timings_mean=_means(t.server_timings for t in timelines if t.server_timings),
     )
+
+
+def _means(reports: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """The mean of each numeric key over the reports that carry it."""
+    values: dict[str, list[float]] = {}
+    for report in reports:
+        for key, value in report.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                values.setdefault(key, []).append(float(value))
+    return {key: statistics.fmean(items) for key, items in sorted(values.items())}

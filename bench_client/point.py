@@ -9,7 +9,13 @@ Prompts (prompts.py): with `prefix_tokens` > 0, request i of a point starts with
 of group i % prefix_groups. Warmup request i uses group i % prefix_groups too, as vLLM's benchmark
 warms up on the measured distribution: with warmup_requests >= prefix_groups every prefix is in the
 engine's prefix cache before the measured requests start (capacity allowing), so a point measures
-the steady state of shared system prompts. The prefixes are the same at every point of the sweep.
+the steady state of shared system prompts. The prefixes are the same at every point of the sweep;
+the rest of each prompt is the point's own (prompts.py), so no point is served from a cache by an
+earlier point's prompts.
+
+A request that ends with finish_reason LENGTH before max_new_tokens, with no error, was cut short by
+the server (llama-server stops a request at its slot's context): it is `truncated`, counted with the
+failed requests under TRUNCATED, never measured as a success.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from bench_client.metrics import Arrival, RequestTimeline
 from bench_client.policy import Action, backoff_delay, decide
 from bench_client.prompts import make_prompt
 from bench_client.server_api import Chunk, DecodeSpec, ServerClient, ServerInfo
-from shared.errors import EngineError, status_code_of
+from shared.errors import EngineError, wire_code
 
 log = structlog.get_logger()
 
@@ -61,10 +67,11 @@ class RequestOutcome:
     reason: str | None = None
     message: str = ""
     replica: str | None = None  # the replica that answered the last attempt (None: none was reached)
+    truncated: bool = False  # the server ended it early without an error (timeline kept, not measured)
 
     @property
     def ok(self) -> bool:
-        return self.timeline is not None
+        return self.timeline is not None and not self.truncated
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,7 @@ class PointSkipped(Exception):
     """The engine said this point cannot run as asked (policy SKIP_POINT)."""
 
     def __init__(self, error: EngineError) -> None:
-        super().__init__(f"point skipped: {error.reason or status_code_of(error).name}: {error.message}")
+        super().__init__(f"point skipped: {error.reason or wire_code(error)}: {error.message}")
         self.error = error
 
 
@@ -147,7 +154,8 @@ class PointRunner:
         prompt = make_prompt(seed=self.workload.seed, length=spec.context_tokens,
                              index=-1 - index if warmup else index, vocab_size=self.server_info.vocab_size,
                              avoid=(self.server_info.eos_token_id, self.server_info.bos_token_id),
-                             prefix_tokens=spec.prefix_tokens, prefix_group=index % spec.prefix_groups)
+                             prefix_tokens=spec.prefix_tokens, prefix_group=index % spec.prefix_groups,
+                             point=spec.tag())
         self.observer.request_started(spec)
         attempt = 0
         while True:
@@ -170,7 +178,7 @@ class PointRunner:
                 if outcome is None:
                     continue
             else:
-                outcome = _success(index, warmup, attempt, sent_at, chunks, len(prompt))
+                outcome = _success(index, warmup, attempt, sent_at, chunks, len(prompt), spec.max_new_tokens)
             outcome = dataclasses.replace(outcome, sent_at_unix=sent_at_unix, replica=stream.replica)
             self.observer.request_finished(spec, outcome)
             return outcome
@@ -179,13 +187,13 @@ class PointRunner:
                            streamed: bool, replica: str | None) -> RequestOutcome | None:
         """Apply the policy to one failed call: None means "retry", else the request's final outcome."""
         action = decide(err, first_token_seen=streamed)
-        code = status_code_of(err).name
+        code = wire_code(err)
         failed = RequestOutcome(index=index, warmup=warmup, attempts=attempt, timeline=None, status_code=code,
                                 reason=err.reason or None, message=err.message)
         if action is Action.SKIP_POINT:
             raise PointSkipped(err)
         if action is Action.STOP_SWEEP:
-            raise SweepStopped(f"the engine answered {code} {err.reason or ''} ({err.message}); "
+            raise SweepStopped(f"the server answered {code} {err.reason or ''} ({err.message}); "
                                "no request can succeed until that is fixed")
         if action is Action.COUNT_FAILED:
             return failed
@@ -206,7 +214,7 @@ class PointRunner:
             log.warning("engine_unavailable", point=spec.tag(), index=index, code=code, reason=err.reason,
                         message=err.message, replica=replica, wait_s=self.policy.health_wait_s)
             if not await self.health.wait_until_serving(self.policy.health_wait_s):
-                raise SweepStopped(f"the engine at {self.client.target} was not SERVING within "
+                raise SweepStopped(f"the server at {self.client.target} was not SERVING within "
                                    f"policy.health_wait_s={self.policy.health_wait_s:g} s after {code} "
                                    f"({err.message})")
             return None
@@ -224,8 +232,11 @@ def arrival_offsets(count: int, rate: float, rng: random.Random) -> list[float]:
     return offsets
 
 
+TRUNCATED = "TRUNCATED"  # the code and reason of a request the server cut short without an error
+
+
 def _success(index: int, warmup: bool, attempts: int, sent_at: float, chunks: Sequence[Chunk],
-             prompt_tokens: int) -> RequestOutcome:
+             prompt_tokens: int, max_new_tokens: int) -> RequestOutcome:
     last = chunks[-1] if chunks else None
     if last is None or last.finish_reason is None:
         # The stream ended cleanly without its final message: a contract violation, counted as failed.
@@ -239,7 +250,16 @@ def _success(index: int, warmup: bool, attempts: int, sent_at: float, chunks: Se
         engine_queue_s=last.timing.queue_seconds if last.timing else None,
         engine_ttft_s=last.timing.time_to_first_token_seconds if last.timing else None,
         cached_prompt_tokens=last.cached_prompt_tokens or 0,
+        usage_completion_tokens=last.completion_tokens,
+        server_timings=dict(last.server_timings) if last.server_timings else None,
     )
+    produced = last.completion_tokens if last.completion_tokens is not None else timeline.output_tokens
+    if last.finish_reason == "LENGTH" and produced < max_new_tokens:
+        return RequestOutcome(index=index, warmup=warmup, attempts=attempts, timeline=timeline, truncated=True,
+                              status_code=TRUNCATED, reason=TRUNCATED,
+                              message=f"the server ended the answer after {produced} of max_new_tokens "
+                                      f"{max_new_tokens} tokens with finish_reason LENGTH and no error "
+                                      "(a full context: llama-server's `truncated`)")
     return RequestOutcome(index=index, warmup=warmup, attempts=attempts, timeline=timeline)
 
 

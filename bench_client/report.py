@@ -1,6 +1,7 @@
 """The report: a table of every point (skipped and failed ones with their reason) and PNG plots.
 
-Plots, one line per engine configuration, one small panel per value of the other parameters:
+The table's first column is the server ([servers.NAME], or the target of a sweep of one server).
+Plots, one line per server and engine configuration, one small panel per value of the other parameters:
 - `throughput_vs_concurrency.png`: output token throughput against concurrency.
 - `latency_vs_context.png`: median TTFT and median TPOT against context length.
 Only points with completed requests are plotted (skipped ones have no metrics). When some point has
@@ -35,6 +36,31 @@ def _engine_label(engine: dict[str, Any] | None) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(engine.items())) or "engine"
 
 
+def _server_label(record: dict[str, Any]) -> str:
+    """The [servers.NAME] of the point; its target for a sweep of one unnamed server."""
+    return record.get("server") or record.get("target") or "-"
+
+
+def _line_label(record: dict[str, Any]) -> str:
+    """One line per server and engine configuration in the plots."""
+    engine = _engine_label(record["engine"])
+    return f"{record['server']} {engine}" if record.get("server") else engine
+
+
+def _reason_label(record: dict[str, Any]) -> str:
+    """The reason with its metadata, and the code it came with: a context skip and another refusal
+    (BAD_REQUEST, INVALID_FIELD) read apart."""
+    reason = " ".join([record["reason"] or "", *(f"{k}={v}" for k, v in sorted(record["reason_metadata"].items()))])
+    if record.get("skip_code"):
+        reason += f" [{record['skip_code']}]"
+    if record.get("skipped_without_sending"):
+        reason += " (not sent)"
+    truncated = record["requests"].get("truncated", 0)
+    if truncated:
+        reason += f" {truncated} truncated"
+    return reason.strip()
+
+
 def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -54,9 +80,10 @@ def _mean_cached(metrics: dict[str, Any]) -> float | None:
     return metrics.get("mean_cached_prompt_tokens", 0.0 if metrics["completed"] else None)
 
 
-def _sort_key(record: dict[str, Any]) -> tuple[str, int, int, int, int, int, float]:
+def _sort_key(record: dict[str, Any]) -> tuple[str, str, int, int, int, int, int, float]:
     rate = record["request_rate"]
-    return (_engine_label(record["engine"]), record["context_tokens"], record.get("prefix_tokens", 0),
+    return (_server_label(record), _engine_label(record["engine"]), record["context_tokens"],
+            record.get("prefix_tokens", 0),
             record.get("prefix_groups", 1), record["max_new_tokens"], record["concurrency"],
             float("inf") if rate == "inf" else float(rate))
 
@@ -66,18 +93,16 @@ def build_table(records: Sequence[dict[str, Any]]) -> Table:
     table.caption = ("latencies in ms (p50 = median); eng = reported by the engine; failed = by status code; "
                      "prefix = shared prompt prefix tokens (x groups); cached = prompt tokens per completed "
                      "request that the engine's prefix cache supplied (mean)")
-    for name in ("engine", "ctx", "prefix", "new", "conc", "rate", "status", "ok", "failed", "out tok/s", "req/s",
+    for name in ("server", "engine", "ctx", "prefix", "new", "conc", "rate", "status", "ok", "failed", "out tok/s", "req/s",
                  "cached", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p99", "eng queue p50", "eng TTFT p50"):
-        table.add_column(name, justify="left" if name in ("engine", "status", "failed") else "right")
+        table.add_column(name, justify="left" if name in ("server", "engine", "status", "failed") else "right")
     table.add_column("reason", justify="left", overflow="fold", min_width=30)
     for r in sorted(records, key=_sort_key):
         m = r["metrics"]
         requests = r["requests"]
         failed = ", ".join(f"{code}:{n}" for code, n in requests["failed_by_code"].items()) or "0"
-        reason = " ".join([r["reason"] or "", *(f"{k}={v}" for k, v in sorted(r["reason_metadata"].items()))])
-        if r.get("skipped_without_sending"):
-            reason += " (not sent)"
-        row = [_engine_label(r["engine"]), str(r["context_tokens"]), _prefix_label(r), str(r["max_new_tokens"]),
+        reason = _reason_label(r)
+        row = [_server_label(r), _engine_label(r["engine"]), str(r["context_tokens"]), _prefix_label(r), str(r["max_new_tokens"]),
                str(r["concurrency"]), str(r["request_rate"]),
                f"[{_STATUS_STYLE.get(r['status'], 'white')}]{r['status']}[/]",
                str(requests["completed"]), failed]
@@ -127,7 +152,7 @@ def _facet_plot(records: Sequence[dict[str, Any]], path: Path, *, x_key: str, x_
     """One column per combination of facet_keys, one row per panel, one line per engine configuration."""
     facets = sorted({tuple(str(r[k]) for k in facet_keys) for r in records},
                     key=lambda f: tuple(float(v) if v != "inf" else float("inf") for v in f))
-    engines = sorted({_engine_label(r["engine"]) for r in records})
+    engines = sorted({_line_label(r) for r in records})
     colors = {label: f"C{i % 10}" for i, label in enumerate(engines)}
     fig, axes = plt.subplots(len(panels), len(facets), figsize=(3.6 * len(facets) + 1, 3.2 * len(panels) + 0.6),
                              squeeze=False)
@@ -137,7 +162,7 @@ def _facet_plot(records: Sequence[dict[str, Any]], path: Path, *, x_key: str, x_
             ax = axes[row][column]
             for label in engines:
                 points = sorted((r[x_key], value_of(r["metrics"])) for r in chosen
-                                if _engine_label(r["engine"]) == label and value_of(r["metrics"]) is not None)
+                                if _line_label(r) == label and value_of(r["metrics"]) is not None)
                 if points:
                     ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=colors[label],
                             label=label)
@@ -148,7 +173,7 @@ def _facet_plot(records: Sequence[dict[str, Any]], path: Path, *, x_key: str, x_
                 ax.set_ylabel(name)
             ax.grid(True, alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper right", fontsize="small", title="engine")
+    fig.legend(handles, labels, loc="upper right", fontsize="small", title="server")
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0, 0.88 if len(facets) < 3 else 0.93, 0.95))
     fig.savefig(path, dpi=100)

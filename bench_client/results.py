@@ -14,11 +14,16 @@ directory cuts such a line off with a warning; it is never read as a result.
 
 Point record schema `bench_client.point/1` (keys always present unless marked optional):
 - `schema`: "bench_client.point/1".
+- `server`: the [servers.NAME] the point ran against ("" for a sweep of one unnamed server), `api`:
+  "engine.v1" or "openai". Optional: absent in older records, read as "" and "engine.v1".
 - `context_tokens`, `max_new_tokens`, `concurrency`: ints; `request_rate`: requests/s or "inf".
 - `prefix_tokens`, `prefix_groups`: ints, the workload's shared prompt prefixes (prompts.py); optional,
   absent in records written before they existed and read as 0 and 1.
 - `status`: "ok", "skipped" or "failed".
-- `reason`: null for "ok"; for "skipped" the engine's ErrorInfo reason (e.g. CONTEXT_LENGTH_EXCEEDED);
+- `reason`: null for "ok"; for "skipped" the server's reason as the adapter classified it:
+  CONTEXT_LENGTH_EXCEEDED (the prompt does not fit: engine.v1's ErrorInfo, or an HTTP 400/422 whose
+  body says so), INVALID_FIELD (engine.v1) or BAD_REQUEST (any other HTTP 400/422); `skip_code`:
+  the status it came with ("INVALID_ARGUMENT", "HTTP_400", ...; null when not sent; optional);
   for "failed" `ERROR_RATE_EXCEEDED`. `reason_metadata`: the ErrorInfo metadata (object of strings),
   `message`: the status message or a sentence; `skipped_without_sending`: true when an earlier
   CONTEXT_LENGTH_EXCEEDED (smaller or equal context, same max_new_tokens) decided the skip; its
@@ -27,7 +32,9 @@ Point record schema `bench_client.point/1` (keys always present unless marked op
   grid), or null when the client targets a running engine.
 - `target`, `server_info` (GetServerInfo as an object; null if it could not be read).
 - `requests`: {"sent": n, "completed": n, "failed": n, "failed_by_code": {"ABORTED": n, ...},
-  "failed_by_reason": {"SEQUENCE_ABORTED": n, ...}, "retries": n, "warmup": n, "by_replica": {"host:port": n}}.
+  "failed_by_reason": {"SEQUENCE_ABORTED": n, ...}, "retries": n, "warmup": n, "by_replica": {"host:port": n},
+  "truncated": n}. Codes are gRPC names, "HTTP_<status>" over HTTP, or TRUNCATED for a request the server
+  ended early without an error (counted failed; `truncated` is their number, optional in older records).
   `by_replica`: the replica (its `engine-replica` header, host:port) that answered each measured
   request's last attempt, "none" for a request that reached none; sums to `sent`. Optional: absent
   in older records.
@@ -78,10 +85,12 @@ class PointKey:
     request_rate: float
     prefix_tokens: int = 0
     prefix_groups: int = 1
+    server: str = ""  # the [servers.NAME] name; "" for a sweep of one unnamed server
 
     @classmethod
     def of_record(cls, record: Mapping[str, Any]) -> PointKey:
         return cls(
+            server=record.get("server") or "",  # absent in records older than [servers]
             engine=engine_key(record["engine"]),
             context_tokens=int(record["context_tokens"]),
             max_new_tokens=int(record["max_new_tokens"]),

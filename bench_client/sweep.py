@@ -1,11 +1,16 @@
-"""The sweep runner: every point of the grid, for every engine configuration, recorded once.
+"""The sweep runner: every point of the grid, for every server and engine configuration, recorded once.
 
-For each engine configuration (one unmanaged target, or each combination of [engine.grid]) it
-starts the engine if it manages one, runs the points not yet recorded in context order, records
-each as it ends, and drains the engine. With a [preview], the first engine that has points to run
-is first asked the preview's chat question, and the answer is printed as it streams. Points the engine already refused with
+For each server of the configuration, in the order given, and each of its engine configurations
+(one unmanaged target, or each combination of its grid) it starts the server if it manages one,
+runs the points not yet recorded in context order, records each as it ends, and drains the server.
+One server runs at a time, so that none competes with another for the CPU; every server gets the
+same prompts at the same point (prompts.py). The server's API picks the adapter: engine.v1 over
+gRPC (rpc.py) or OpenAI-compatible HTTP (openai_http.py); nothing here knows either protocol.
+With a [preview], the first server that has points to run is first asked the preview's chat
+question, and the answer is printed as it streams. Points the server already refused with
 CONTEXT_LENGTH_EXCEEDED (same max_new_tokens, a smaller or equal context) are recorded skipped
 without sending. A stop request (SIGTERM) lets the current point finish, then drains and returns.
+Recovery is the policy table's (policy.py): this module only does what it answers.
 
 Traces: the sweep is one trace. Its root span `bench.sweep` has a child `bench.point` per point
 recorded (skipped ones included, with their reason), and each point's Decode calls are CLIENT
@@ -30,20 +35,22 @@ from opentelemetry.trace import Status, StatusCode
 
 from bench_client import records
 from bench_client.chat import Question, ask
-from bench_client.config import PreviewConfig, SweepConfig
+from bench_client.config import PreviewConfig, ServerConfig, SweepConfig
 from bench_client.engine_process import EngineExit, EngineStartError, ManagedEngine, engine_configurations
+from bench_client.openai_http import OpenAIClient
 from bench_client.point import PointRunner, PointSkipped, PointSpec, RequestOutcome, SweepStopped
+from bench_client.policy import Action, decide_preview, decide_server_info
 from bench_client.progress import SweepProgress
 from bench_client.results import PointKey, ResultsDir, engine_key, rate_to_json
 from bench_client.rpc import EngineClient
-from bench_client.server_api import ServerInfo
-from shared.errors import EngineError, status_code_of
+from bench_client.server_api import ENGINE_V1, ServerClient, ServerInfo
+from shared.errors import ContextLengthExceeded, EngineError, wire_code
 from shared.tracing import record_skip
 
 log = structlog.get_logger()
 tracer = trace.get_tracer("bench_client")
 
-CONTEXT_LENGTH_EXCEEDED = "CONTEXT_LENGTH_EXCEEDED"
+CONTEXT_LENGTH_EXCEEDED = ContextLengthExceeded.reason
 
 
 class SweepEnd(enum.Enum):
@@ -78,19 +85,20 @@ class _Observer:
     """Feeds the progress display and, with --detail, requests.jsonl."""
 
     def __init__(self, progress: SweepProgress, results: ResultsDir, engine: dict[str, Any] | None,
-                 run_id: str) -> None:
-        self.progress, self.results, self.engine, self.run_id = progress, results, engine, run_id
+                 run_id: str, server: str) -> None:
+        self.progress, self.results, self.engine, self.run_id, self.server = progress, results, engine, run_id, server
 
     def request_started(self, spec: PointSpec) -> None:
         self.progress.request_started(spec)
 
     def request_finished(self, spec: PointSpec, outcome: RequestOutcome) -> None:
         self.progress.request_finished(spec, outcome)
-        self.results.append_request(records.request_record(spec, outcome, engine=self.engine, run_id=self.run_id))
+        self.results.append_request(records.request_record(spec, outcome, engine=self.engine, run_id=self.run_id,
+                                                           server=self.server))
 
 
 class _UnmanagedHealth:
-    def __init__(self, client: EngineClient) -> None:
+    def __init__(self, client: ServerClient) -> None:
         self.client = client
 
     async def wait_until_serving(self, timeout: float) -> bool:
@@ -106,12 +114,12 @@ class SweepRunner:
         self._stop_requested = False
         self._recorded = 0
         self._previewed = False
-        # engine key -> max_new_tokens -> the smallest context the engine refused
-        self._known_skips: dict[str, dict[int, _KnownSkip]] = {}
+        # (server, engine key) -> max_new_tokens -> the smallest context the server refused
+        self._known_skips: dict[tuple[str, str], dict[int, _KnownSkip]] = {}
         for record in results.records:
             if record["status"] == "skipped" and record["reason"] == CONTEXT_LENGTH_EXCEEDED:
-                self._learn_skip(engine_key(record["engine"]), record["max_new_tokens"], record["context_tokens"],
-                                 record["reason_metadata"], record["message"])
+                self._learn_skip((record.get("server") or "", engine_key(record["engine"])), record["max_new_tokens"],
+                                 record["context_tokens"], record["reason_metadata"], record["message"])
 
     @property
     def recorded(self) -> int:
@@ -135,18 +143,18 @@ class SweepRunner:
             return result
 
     async def _run_sweep(self, span: trace.Span) -> SweepResult:
-        engines: list[dict[str, Any] | None] = (
-            list(engine_configurations(self.config.engine)) if self.config.engine is not None else [None])
+        runs = [(server, engine) for server in self.config.servers
+                for engine in (engine_configurations(server.launch) if server.launch is not None else [None])]
         points = grid_points(self.config)
-        total = len(engines) * len(points)
-        done = sum(1 for e in engines for p in points if self._key(e, p) in self.results.done)
+        total = len(runs) * len(points)
+        done = sum(1 for server, e in runs for p in points if self._key(server, e, p) in self.results.done)
         span.set_attributes({"bench.sweep.points": total, "bench.sweep.already_recorded": done})
         self.progress.sweep_started(total, done)
         try:
-            for engine in engines:
-                todo = [p for p in points if self._key(engine, p) not in self.results.done]
+            for server, engine in runs:
+                todo = [p for p in points if self._key(server, engine, p) not in self.results.done]
                 if todo and not self._stop_requested:
-                    await self._run_engine(engine, todo)
+                    await self._run_server(server, engine, todo)
         except (SweepStopped, EngineStartError) as stop:
             log.error("sweep_stopped", run_id=self.run_id, message=str(stop), recorded=self._recorded,
                       results=str(self.results.path))
@@ -158,23 +166,31 @@ class SweepRunner:
         log.info("sweep_done", run_id=self.run_id, recorded=self._recorded, points=total)
         return SweepResult(SweepEnd.COMPLETED, "every point is recorded", self._recorded)
 
-    async def _run_engine(self, engine: dict[str, Any] | None, todo: list[PointSpec]) -> None:
+    def _client(self, server: ServerConfig, target: str) -> ServerClient:
+        """The adapter of the server's API for one target."""
+        if server.api == ENGINE_V1:
+            return EngineClient(target, self.config.security)
+        return OpenAIClient(target, self.config.security, concurrency=max(self.config.workload.concurrency),
+                            vocab_size=server.vocab_size, model=server.model)
+
+    async def _run_server(self, server: ServerConfig, engine: dict[str, Any] | None, todo: list[PointSpec]) -> None:
         async with AsyncExitStack() as stack:
-            if engine is None or self.config.engine is None:
-                client = EngineClient(self.config.target, self.config.security)
+            if server.launch is None or engine is None:
+                client = self._client(server, server.target)
                 stack.push_async_callback(client.close)
                 health: Any = _UnmanagedHealth(client)
                 if not await client.wait_until_serving(self.config.policy.health_wait_s):
-                    raise SweepStopped(f"the engine at {self.config.target} was not SERVING within "
+                    raise SweepStopped(f"the server at {server.target} was not SERVING within "
                                        f"policy.health_wait_s={self.config.policy.health_wait_s:g} s")
             else:
                 index = len(list((self.results.path).glob("engine-*.log")))
-                managed = ManagedEngine(self.config.engine, engine, self.results.path / f"engine-{index}.log",
-                                        on_exit=self._engine_exited, security=self.config.security)
+                managed = ManagedEngine(server.launch, engine, self.results.path / f"engine-{index}.log",
+                                        on_exit=self._engine_exited, api=server.api,
+                                        make_client=lambda target: self._client(server, target))
                 stack.push_async_callback(managed.close)
                 await managed.start()  # EngineStartError propagates: the configuration is unusable
                 stack.push_async_callback(managed.stop)
-                client = EngineClient(managed.target, self.config.security)
+                client = self._client(server, managed.target)
                 stack.push_async_callback(client.close)
                 health = managed
             server_info = await self._server_info(client, health)
@@ -182,25 +198,33 @@ class SweepRunner:
                 self._previewed = True
                 await self._preview(client, server_info, self.config.preview)
             runner = PointRunner(client, server_info, self.config.workload, self.config.policy, health,
-                                 _Observer(self.progress, self.results, engine, self.run_id), self.run_id)
+                                 _Observer(self.progress, self.results, engine, self.run_id, server.name), self.run_id)
             for spec in todo:
                 if self._stop_requested:
                     return
-                await self._run_point(runner, spec, engine, client.target, server_info)
+                await self._run_point(runner, spec, server, engine, client.target, server_info)
 
-    async def _server_info(self, client: EngineClient, health: Any) -> ServerInfo:
+    async def _server_info(self, client: ServerClient, health: Any) -> ServerInfo:
+        """What the server says about itself; the policy decides what a failure to ask means."""
         try:
-            return await client.server_info()
+            return await self._ask_server_info(client)
         except EngineError as err:
-            if status_code_of(err).name != "UNAVAILABLE":
-                raise SweepStopped(f"GetServerInfo on {client.target} failed: {status_code_of(err).name} "
+            if decide_server_info(err) is Action.STOP_SWEEP:
+                raise SweepStopped(f"asking {client.target} about itself failed: {wire_code(err)} "
                                    f"{err.reason} ({err.message})") from err
         if not await health.wait_until_serving(self.config.policy.health_wait_s):
-            raise SweepStopped(f"the engine at {client.target} was not SERVING within "
+            raise SweepStopped(f"the server at {client.target} was not SERVING within "
                                f"policy.health_wait_s={self.config.policy.health_wait_s:g} s")
-        return await client.server_info()
+        return await self._ask_server_info(client)
 
-    async def _preview(self, client: EngineClient, server_info: ServerInfo, preview: PreviewConfig) -> None:
+    @staticmethod
+    async def _ask_server_info(client: ServerClient) -> ServerInfo:
+        try:
+            return await client.server_info()
+        except ValueError as err:  # the server does not say what the sweep needs (its vocabulary)
+            raise SweepStopped(str(err)) from err
+
+    async def _preview(self, client: ServerClient, server_info: ServerInfo, preview: PreviewConfig) -> None:
         """Ask the preview question and print the answer as it streams. A refusal (a model without
         a chat template) or a failure is logged and the sweep goes on: no point depends on it."""
         question = Question(preview.question, system=preview.system, max_new_tokens=preview.max_new_tokens,
@@ -210,16 +234,20 @@ class SweepRunner:
         try:
             answer = await ask(client, question, timeout=self.config.policy.request_timeout_s, out=sys.stdout)
         except EngineError as err:
-            print(f"(none: {status_code_of(err).name} {err.reason}: {err.message})\n", flush=True)
-            log.warning("preview_failed", code=status_code_of(err).name, reason=err.reason, message=err.message)
+            print(f"(none: {wire_code(err)} {err.reason}: {err.message})\n", flush=True)
+            if decide_preview(err) is Action.STOP_SWEEP:
+                raise SweepStopped(f"the preview question failed: {wire_code(err)} {err.reason} ({err.message}); "
+                                   "no request can succeed until that is fixed") from err
+            log.warning("preview_failed", code=wire_code(err), reason=err.reason, message=err.message)
             return
         print(flush=True)  # a blank line between the answer and the sweep
         log.info("preview_answered", finish_reason=answer.finish_reason, completion_tokens=answer.completion_tokens)
 
-    async def _run_point(self, runner: PointRunner, spec: PointSpec, engine: dict[str, Any] | None, target: str,
-                         server_info: ServerInfo) -> None:
-        with tracer.start_as_current_span("bench.point", attributes=_point_attributes(spec, engine, target)) as span:
-            record = await self._point_record(runner, spec, engine, target, server_info)
+    async def _run_point(self, runner: PointRunner, spec: PointSpec, server: ServerConfig,
+                         engine: dict[str, Any] | None, target: str, server_info: ServerInfo) -> None:
+        with tracer.start_as_current_span("bench.point", attributes=_point_attributes(spec, server, engine,
+                                                                                       target)) as span:
+            record = await self._point_record(runner, spec, server, engine, target, server_info)
             span.set_attributes({"bench.point.status": record["status"],
                                  "bench.point.requests.completed": record["requests"]["completed"],
                                  "bench.point.requests.failed": record["requests"]["failed"],
@@ -232,13 +260,14 @@ class SweepRunner:
                                                          f"{record['requests']['sent']} requests failed"))
             self._record(record)
 
-    async def _point_record(self, runner: PointRunner, spec: PointSpec, engine: dict[str, Any] | None,
-                            target: str, server_info: ServerInfo) -> dict[str, Any]:
+    async def _point_record(self, runner: PointRunner, spec: PointSpec, server: ServerConfig,
+                            engine: dict[str, Any] | None, target: str, server_info: ServerInfo) -> dict[str, Any]:
         """Run the point (or skip it) and build its record."""
         started_at = time.time()
         common = {"engine": engine, "target": target, "server_info": server_info, "run_id": self.run_id,
-                  "started_at": started_at}
-        known = self._known_skips.get(engine_key(engine), {}).get(spec.max_new_tokens)
+                  "started_at": started_at, "server": server.name, "api": server.api}
+        skips_key = (server.name, engine_key(engine))
+        known = self._known_skips.get(skips_key, {}).get(spec.max_new_tokens)
         if known is not None and spec.context_tokens >= known.context_tokens:
             # the refusal's metadata, restated for this point: its own prompt length, the same limits
             metadata = {**known.reason_metadata, "promptTokens": str(spec.context_tokens)}
@@ -251,12 +280,11 @@ class SweepRunner:
             outcome = await runner.run(spec)
         except PointSkipped as skip:
             err = skip.error
-            reason = err.reason or status_code_of(err).name
-            if reason == CONTEXT_LENGTH_EXCEEDED:
-                self._learn_skip(engine_key(engine), spec.max_new_tokens, spec.context_tokens, err.metadata,
-                                 err.message)
+            reason = err.reason or wire_code(err)
+            if isinstance(err, ContextLengthExceeded):
+                self._learn_skip(skips_key, spec.max_new_tokens, spec.context_tokens, err.metadata, err.message)
             return records.skipped_record(spec, **common, reason=reason, reason_metadata=err.metadata,
-                                          message=err.message, without_sending=False, sent=1)
+                                          message=err.message, without_sending=False, sent=1, code=wire_code(err))
         return records.point_record(outcome, **common, warmup=self.config.workload.warmup_requests,
                                     max_error_rate=self.config.policy.max_error_rate)
 
@@ -265,7 +293,7 @@ class SweepRunner:
         self._recorded += 1
         self.progress.point_recorded(record)
 
-    def _learn_skip(self, key: str, max_new_tokens: int, context_tokens: int, metadata: dict[str, str],
+    def _learn_skip(self, key: tuple[str, str], max_new_tokens: int, context_tokens: int, metadata: dict[str, str],
                     message: str) -> None:
         by_new = self._known_skips.setdefault(key, {})
         if max_new_tokens not in by_new or context_tokens < by_new[max_new_tokens].context_tokens:
@@ -274,14 +302,17 @@ class SweepRunner:
     def _engine_exited(self, exit_: EngineExit) -> None:
         self.results.append_engine(exit_.as_record())
 
-    def _key(self, engine: dict[str, Any] | None, spec: PointSpec) -> PointKey:
+    def _key(self, server: ServerConfig, engine: dict[str, Any] | None, spec: PointSpec) -> PointKey:
         return PointKey(engine_key(engine), spec.context_tokens, spec.max_new_tokens, spec.concurrency,
-                        spec.request_rate, spec.prefix_tokens, spec.prefix_groups)
+                        spec.request_rate, spec.prefix_tokens, spec.prefix_groups, server=server.name)
 
 
-def _point_attributes(spec: PointSpec, engine: dict[str, Any] | None, target: str) -> dict[str, Any]:
-    """The point's parameters and its engine configuration, as span attributes."""
+def _point_attributes(spec: PointSpec, server: ServerConfig, engine: dict[str, Any] | None,
+                      target: str) -> dict[str, Any]:
+    """The point's parameters, its server and engine configuration, as span attributes."""
     return {
+        "bench.server": server.name,
+        "bench.server.api": server.api,
         "bench.point.context_tokens": spec.context_tokens,
         "bench.point.max_new_tokens": spec.max_new_tokens,
         "bench.point.concurrency": spec.concurrency,

@@ -17,13 +17,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
-import os
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +34,7 @@ from bench_client.point import PointRunner, PointSpec, RequestOutcome  # noqa: E
 from bench_client.prompts import make_prompt  # noqa: E402
 from bench_client.rpc import EngineClient  # noqa: E402
 from engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
+from tools.local_engine import EngineProcess  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -74,23 +71,6 @@ class _NoObserver:
 
     def request_finished(self, spec: PointSpec, outcome: RequestOutcome) -> None:
         return None
-
-
-def start_engine(max_batch: int) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine_service", "--model", "tiny", "--port", "0", "--threads", "1",
-         "--max-batch", str(max_batch), "--queue-capacity", "4096"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if line.startswith("{") and json.loads(line).get("event") == "server_started":
-            port = json.loads(line)["port"]
-            # keep reading the engine's log so that it never blocks on a full pipe
-            threading.Thread(target=proc.stderr.read, daemon=True).start()
-            return proc, f"127.0.0.1:{port}"
-    raise RuntimeError(f"engine exited with {proc.wait()} before reporting its port")
 
 
 async def baseline_round(target: str, prompts: list[tuple[int, ...]], concurrency: int,
@@ -200,16 +180,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    proc = None
+    engine = None
     target = args.target
     if target is None:
-        proc, target = start_engine(max_batch=max(64, args.concurrency))
+        engine = EngineProcess("--model", "tiny", "--max-batch", str(max(64, args.concurrency)),
+                               "--queue-capacity", "4096").start()
+        target = engine.address
     try:
         results = asyncio.run(run(args, target))
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
+        if engine is not None:
+            engine.signal()
+            engine.wait(30)
     summarize(results, args.concurrency)
 
 

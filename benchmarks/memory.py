@@ -29,7 +29,7 @@ from engine.v1 import engine_pb2_grpc
 from engine_service.config import DEFAULT_PREFIX_CACHE_TOKENS
 from engine_service.model.llama import KVCache
 from engine_service.model.presets import PRESETS
-from shared.local_engine import EngineProcess
+from tools.local_engine import EngineProcess
 
 MIB = 1024 * 1024
 

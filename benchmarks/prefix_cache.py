@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_client.prompts import make_prompt
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
-from shared.local_engine import EngineProcess
+from tools.local_engine import EngineProcess
 
 PREFIX, UNIQUE, NEW, CONCURRENCY = 1024, 64, 64, 8
 

@@ -35,7 +35,7 @@ from engine_service.config import QUANTIZE_METHODS
 from engine_service.model.llama import KVCache
 from engine_service.model.loader import load_model
 from engine_service.model.quantize import quantize_model
-from shared.local_engine import EngineProcess
+from tools.local_engine import EngineProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp  # benchmarks/llamacpp.py

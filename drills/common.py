@@ -15,7 +15,7 @@ import grpc
 
 from engine.v1 import engine_pb2 as pb
 from shared.errors import from_rpc_error, status_code_of
-from shared.local_engine import EngineProcess
+from tools.local_engine import EngineProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 DECODE_METHOD = "/engine.v1.EngineService/Decode"

@@ -1,6 +1,6 @@
-"""The tests' engine launcher is the project's one (shared/local_engine.py), which the drills and
+"""The tests' engine launcher is the project's one (tools/local_engine.py), which the drills and
 benchmarks use too."""
 
-from shared.local_engine import ROOT, EngineProcess
+from tools.local_engine import ROOT, EngineProcess
 
 __all__ = ["ROOT", "EngineProcess"]

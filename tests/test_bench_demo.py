@@ -28,6 +28,11 @@ def test_demo_sweep_end_to_end(tmp_path: Path) -> None:
     assert skipped and all(r["reason"] == "CONTEXT_LENGTH_EXCEEDED" for r in skipped)
     assert any(not r["skipped_without_sending"] for r in skipped), "the engine itself refuses one point"
     assert all(r["status"] == "ok" for r in records if r["status"] != "skipped")
+    # every point's prompts are its own: no point is served from the prefix cache by another's
+    measured = [r for r in records if r["metrics"] is not None]
+    assert measured and all(r["prefix_tokens"] == 0 and r["metrics"]["total_cached_prompt_tokens"] == 0
+                            for r in measured), [(r["concurrency"], r["metrics"]["mean_cached_prompt_tokens"])
+                                                 for r in measured]
     assert "CONTEXT_LENGTH_EXCEEDED" in done.stdout
     assert any(e["event"] == "point_skipped" for e in events(done.stderr))
     assert [e["how"] for e in events(done.stderr) if e["event"] == "engine_exited"] == ["drained", "drained"]

@@ -155,10 +155,10 @@ def test_the_bench_runs_the_compose_sweep_against_the_healthy_engine_into_a_volu
     assert bench["depends_on"]["engine"]["condition"] == "service_healthy"
     assert bench["restart"] == "on-failure"
     config = load_config(image_path(command[4]))
-    assert config.engine is None
+    assert config.servers[0].launch is None
     # Every replica: the service's DNS name (Docker's DNS has one A record per replica) on the gRPC port.
-    assert config.target == f"dns:///engine:{engine_args(services).port}"
-    host = re.fullmatch(r"dns:///([^:/]+):\d+", config.target).group(1)
+    assert config.servers[0].target == f"dns:///engine:{engine_args(services).port}"
+    host = re.fullmatch(r"dns:///([^:/]+):\d+", config.servers[0].target).group(1)
     assert host in services and services[host]["command"][:3] == ["python", "-m", "engine_service"]
 
 

@@ -482,5 +482,5 @@ def test_the_sweep_config_loads(tmp_path: Path) -> None:
     for name, text in cm["data"].items():
         (tmp_path / name).write_text(text)
         config = load_config(tmp_path / name)
-        assert config.target.startswith("dns:///")
+        assert config.servers[0].target.startswith("dns:///")
         assert config.policy.health_wait_s >= 60  # the engines may still be loading when the Job starts

@@ -1,7 +1,8 @@
 """Start real engine processes on loopback: the one launcher of the tests, the drills and the
 benchmarks (`python -m engine_service --port 0 ...` in this checkout, its JSON log lines collected).
 The bench client's own managed engine (bench_client/engine_process.py) is a product feature with
-log files and restarts, not this development tool."""
+log files and restarts, not this development tool, which lives in tools/ so that it does not ship in
+the wheel (it runs the engine of a checkout)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,583 @@
+"""The OpenAI-compatible HTTP adapter: the only module of the client that speaks HTTP.
+
+It serves the `ServerClient` protocol of `bench_client.server_api` for one base URL of
+llama-server, vLLM, SGLang or TGI: POST /v1/completions (a prompt of token ids) and
+/v1/chat/completions, streamed as server-sent events (`bench_client.sse`), GET /health,
+and GET /props, /v1/models, /info, /version for what the server says about itself. Every failure
+becomes the domain exception that `bench_client.openai_errors` chooses, so the policy table decides
+as it does for gRPC.
+
+A streamed answer becomes Chunks:
+
+- one Chunk per event that carries a choice: `choices[0].text` (chat: `delta.content`), received_at
+  when its bytes arrived, num_tokens the tokens it carried: the length of its `logprobs` when it has
+  them, else 1 (the servers send one event per sampled token; llama-server also sends one, with
+  text "", for a token it holds back behind a partial stop word, and none for a token that ends
+  inside a UTF-8 character, which it sends with the next one), and 0 for the event that only
+  closes the choice (a `finish_reason` with no text: llama-server's last event);
+- the last Chunk carries the finish_reason ("length" -> LENGTH, "stop" -> EOS, or STOP where the
+  server says a stop string matched: vLLM's `stop_reason`, SGLang's `matched_stop`) merged with
+  the usage and `timings` that came with it or after it (OpenAI's usage-only event, `choices: []`):
+  prompt_tokens, completion_tokens (the server's count, so that the point runner can compare it
+  with the tokens counted), cached_prompt_tokens (`usage.prompt_tokens_details.cached_tokens`, or
+  llama-server's `timings.cache_n`) and server_timings;
+- `data: [DONE]` ends the stream. An error frame (`data: {"error": ...}`) raises StreamError, after
+  the chunks before it; an event whose data is not a JSON object raises StreamError (http_status 200);
+  a stream that ends without [DONE] and without finish_reason just ends (the point runner counts it).
+
+The session: one aiohttp.ClientSession, its pool sized by `concurrency` (`set_concurrency` grows it
+for the next point: a pool smaller than the point's concurrency would queue requests in the
+client and inflate TTFT). The bearer token goes on every request, health included. Each request
+runs in a CLIENT span (a child of the current one, the point's) whose W3C traceparent travels in
+the request's headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import ssl
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Status, StatusCode
+from opentelemetry.util.types import AttributeValue
+
+from bench_client.config import ChannelSecurity, TlsConfig
+from bench_client.openai_errors import from_error_frame, from_http_response, malformed_event, transport_failure
+from bench_client.server_api import OPENAI, ChatSpec, Chunk, DecodeSpec, DecodeStream, ServerInfo
+from bench_client.sse import Event, SSEParser
+from shared.errors import ClientTimeout, EngineError, EngineUnavailable, QueueFull, StreamError, status_code_of
+
+tracer = trace.get_tracer("bench_client")
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+_INFO_ROUTES = {"props": "/props", "models": "/v1/models", "info": "/info", "version": "/version"}
+_NOT_SERVED = frozenset({404, 405, 501})  # a route this server does not have
+
+
+class OpenAIClient:
+    """One aiohttp session to one OpenAI-compatible server (`target`: "http://host:port" or
+    "https://...", a bare "host:port" meaning http, or https when `security` has TLS; a trailing
+    "/v1" is dropped). `vocab_size` and `model` stand in for what the server does not report."""
+
+    def __init__(self, target: str, security: ChannelSecurity | None = None, *, concurrency: int = 64,
+                 vocab_size: int | None = None, model: str | None = None) -> None:
+        security = security or ChannelSecurity()
+        self.base_url = base_url(target, tls=security.tls is not None)
+        self.target = self.base_url
+        self._ssl: ssl.SSLContext | bool = True
+        self._server_hostname: str | None = None
+        if self.base_url.startswith("https://"):
+            if security.tls is not None:
+                self._ssl = ssl_context(security.tls)
+                self._server_hostname = security.tls.server_name
+        self._headers: dict[str, str] = {"Accept": "text/event-stream, application/json"}
+        if security.token:
+            self._headers["Authorization"] = f"Bearer {security.token}"
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self._limit = concurrency
+        self._vocab_size = vocab_size
+        self._model = model  # the model named in each request: the constructor's, else the server's
+        self._pool: _Pool | None = None
+        self._retired: set[_Pool] = set()
+        self._closing: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    # -- the session ---------------------------------------------------------------------------
+
+    def set_concurrency(self, concurrency: int) -> None:
+        """Size the connection pool for the next point: a larger pool replaces the session for new
+        requests (the old one closes once its requests end); a smaller one keeps the pool as it is."""
+        if concurrency <= self._limit:
+            return
+        self._limit = concurrency
+        if self._pool is not None:
+            self._retire(self._pool)
+            self._pool = None
+
+    def _session(self) -> _Pool:
+        if self._closed:
+            raise RuntimeError(f"the client of {self.base_url} is closed")
+        if self._pool is None:
+            connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=0)
+            self._pool = _Pool(aiohttp.ClientSession(connector=connector, headers=self._headers))
+        return self._pool
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[_Pool]:
+        """The session for one request, kept open until the request ends."""
+        pool = self._session()
+        pool.active += 1
+        try:
+            yield pool
+        finally:
+            self._release(pool)
+
+    def _retire(self, pool: _Pool) -> None:
+        pool.retired = True
+        self._retired.add(pool)  # close() closes it, if nothing did before
+        if pool.active == 0:
+            self._release(pool, ended=False)
+
+    def _release(self, pool: _Pool, *, ended: bool = True) -> None:
+        """One request of `pool` ended; a replaced session closes its idle connections once its last
+        request ended (llama-server gives each open connection one of its HTTP threads)."""
+        pool.active -= int(ended)
+        if not (pool.retired and pool.active == 0 and pool in self._retired):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # outside the loop: close() does it
+        self._retired.discard(pool)
+        task = loop.create_task(pool.session.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        self._closed = True
+        pools = [p for p in (self._pool, *self._retired) if p is not None]
+        self._pool, self._retired = None, set()
+        for pool in pools:
+            await pool.session.close()
+        if self._closing:
+            await asyncio.gather(*self._closing)
+
+    def _request_options(self, timeout: float) -> dict[str, Any]:
+        options: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=timeout), "ssl": self._ssl}
+        if self._server_hostname:
+            options["server_hostname"] = self._server_hostname
+        return options
+
+    # -- health and what the server says about itself -----------------------------------------
+
+    async def is_serving(self, timeout: float = 2.0) -> bool:
+        """GET /health answers 200 (llama-server answers 503 while it loads the model); False on any
+        other status and on any connection failure or timeout."""
+        with self._using() as pool:
+            try:
+                async with pool.session.get(self.base_url + "/health", **self._request_options(timeout)) as response:
+                    await response.read()
+                    return response.status == 200
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                return False
+
+    async def wait_until_serving(self, timeout: float, poll_s: float = 0.2) -> bool:
+        """Poll /health until it answers 200 or `timeout` seconds passed; returns whether it did."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if await self.is_serving(timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
+
+    async def server_info(self, timeout: float = 10.0) -> ServerInfo:
+        """What the server reports: llama-server's /props and /v1/models (`meta.n_vocab`), vLLM's
+        and SGLang's /v1/models (`max_model_len`) and /version, TGI's /info. A route the server does
+        not have is passed over; another failure raises its EngineError (a 503 while the model
+        loads: EngineUnavailable, so that the sweep waits for health). Raises ValueError when
+        neither the server nor the constructor gives the vocabulary size."""
+        names = list(_INFO_ROUTES)
+        answers = await asyncio.gather(*(self._get_json(_INFO_ROUTES[n], timeout) for n in names))
+        reported = {name: body for name, body in zip(names, answers, strict=True) if body is not None}
+        if "props" not in reported and "models" not in reported and "info" not in reported:
+            raise _not_an_openai_server(self.base_url)
+        info = server_info_from(reported, model=self._model, vocab_size=self._vocab_size, url=self.base_url)
+        if self._model is None and info.model:
+            self._model = info.model
+        return info
+
+    async def _get_json(self, route: str, timeout: float) -> Any:
+        url = self.base_url + route
+        with self._using() as pool:
+            try:
+                async with pool.session.get(url, **self._request_options(timeout)) as response:
+                    body = await response.read()
+                    if response.status in _NOT_SERVED:
+                        return None
+                    if response.status != 200:
+                        err = from_http_response(response.status, response.headers, body)
+                        if isinstance(err, QueueFull) and response.status == 503:
+                            raise _loading(err, url) from None
+                        raise err
+            except TimeoutError as exc:
+                raise _timeout(url, timeout) from exc
+            except (aiohttp.ClientError, OSError) as exc:
+                raise transport_failure(url, exc) from exc
+        try:
+            return json.loads(body)
+        except ValueError:
+            return None  # a page that is not this API's (a proxy's, a UI's)
+
+    # -- the calls -----------------------------------------------------------------------------
+
+    def decode(self, spec: DecodeSpec, *, timeout: float,
+               attributes: Mapping[str, AttributeValue] | None = None) -> DecodeStream:
+        """Stream one completion of `spec.prompt_token_ids` (POST /v1/completions) inside its CLIENT
+        span; a failed call raises its EngineError."""
+        body = completion_body(spec, self._model)
+        return self._stream(COMPLETIONS, body, timeout, chat=False, attributes={
+            "gen_ai.operation.name": "text_completion", "gen_ai.request.max_tokens": spec.max_new_tokens,
+            "gen_ai.usage.input_tokens": len(spec.prompt_token_ids), "bench.request.id": spec.request_id,
+            **(attributes or {})})
+
+    def chat(self, spec: ChatSpec, *, timeout: float) -> DecodeStream:
+        """Stream the answer to chat messages (POST /v1/chat/completions: the server renders its
+        chat template), as `decode` streams."""
+        body: dict[str, Any] = {
+            "messages": [{"role": m.role, "content": m.content} for m in spec.messages],
+            "max_tokens": spec.max_new_tokens, "temperature": spec.temperature, "seed": spec.seed,
+            "stream": True, "stream_options": {"include_usage": True},
+        }
+        if self._model:
+            body = {"model": self._model, **body}
+        return self._stream(CHAT_COMPLETIONS, body, timeout, chat=True, attributes={
+            "gen_ai.operation.name": "chat", "gen_ai.request.max_tokens": spec.max_new_tokens,
+            "bench.request.id": spec.request_id})
+
+    def _stream(self, route: str, body: Mapping[str, Any], timeout: float, *, chat: bool,
+                attributes: Mapping[str, AttributeValue]) -> DecodeStream:
+        stream = DecodeStream()
+        stream._chunks = self._chunks(route, body, timeout, chat, attributes, stream)
+        return stream
+
+    async def _chunks(self, route: str, body: Mapping[str, Any], timeout: float, chat: bool,
+                      attributes: Mapping[str, AttributeValue], stream: DecodeStream) -> AsyncIterator[Chunk]:
+        url = self.base_url + route
+        # Not made current: an async generator may be finished in another context than it started in.
+        span = tracer.start_span(f"POST {route}", kind=trace.SpanKind.CLIENT)
+        headers: dict[str, str] = {}
+        if span.is_recording():
+            split = urlsplit(url)
+            span.set_attributes({"http.request.method": "POST", "url.full": url,
+                                 "server.address": split.hostname or "", "server.port": split.port or 0,
+                                 **attributes})
+            propagate.inject(headers, context=trace.set_span_in_context(span))
+        pool = self._session()
+        pool.active += 1
+        reader = _StreamReader(chat)
+        events = 0
+        try:
+            try:
+                async with pool.session.post(url, json=body, headers=headers,
+                                             **self._request_options(timeout)) as response:
+                    stream.replica = self.base_url
+                    span.set_attribute("http.response.status_code", response.status)
+                    if response.status != 200:
+                        raise from_http_response(response.status, response.headers, await response.read())
+                    content_type = response.headers.get("Content-Type", "")
+                    if not content_type.startswith("text/event-stream"):
+                        start = (await response.content.read(200)).decode("utf-8", "replace")
+                        raise malformed_event(start, f"a 200 answer of Content-Type {content_type!r}, "
+                                                     "not text/event-stream")
+                    parser = SSEParser()
+                    async for data in response.content.iter_any():
+                        received_at = time.perf_counter()
+                        for event in parser.feed(data):
+                            events += 1
+                            for chunk in reader.on_event(event, received_at):
+                                yield chunk
+                            if reader.done:
+                                break
+                        if reader.done:
+                            break
+                    if not reader.done:
+                        rest = parser.close()  # the body ended inside an event: read it as one
+                        if rest is not None:
+                            for chunk in reader.on_event(rest, time.perf_counter()):
+                                yield chunk
+                    for chunk in reader.end():
+                        yield chunk
+            except TimeoutError as exc:
+                raise _timeout(url, timeout) from exc
+            except (aiohttp.ClientError, OSError) as exc:
+                during = f"after {events} events of the answer" if events else "before the answer"
+                raise transport_failure(url, exc, during=during) from exc
+        except EngineError as err:
+            _failed(span, err)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            span.set_attribute("error.type", "cancelled")  # the point ended while this call was in flight
+            raise
+        finally:
+            self._release(pool)
+            span.set_attribute("gen_ai.usage.output_tokens", reader.output_tokens)
+            if reader.usage_input_tokens is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", reader.usage_input_tokens)
+            if reader.cached_tokens is not None:
+                span.set_attribute("gen_ai.usage.cache_read.input_tokens", reader.cached_tokens)
+            span.end()
+
+
+@dataclass(eq=False)
+class _Pool:
+    session: aiohttp.ClientSession
+    active: int = 0
+    retired: bool = False
+
+
+class _StreamReader:
+    """The events of one answer in, Chunks out (pure): holds the chunk that closes the choice until
+    the usage after it (or [DONE], or the end) arrives, so that the last Chunk carries both."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.done = False
+        self.output_tokens = 0
+        self.usage_input_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self._ended = False
+        self._final: Chunk | None = None
+        self._usage: Mapping[str, Any] | None = None
+        self._timings: Mapping[str, Any] | None = None
+
+    def on_event(self, event: Event, received_at: float) -> list[Chunk]:
+        if self.done:
+            return []
+        data = event.data.strip()
+        if data == "[DONE]":
+            self.done = True
+            return self.end()
+        try:
+            message = json.loads(data)
+        except ValueError:
+            raise malformed_event(event.data, "data is not JSON") from None
+        if not isinstance(message, Mapping):
+            raise malformed_event(event.data, "data is not a JSON object")
+        if "error" in message or event.event == "error":
+            raise from_error_frame(message)
+        if isinstance(message.get("usage"), Mapping):
+            self._usage = message["usage"]
+        if isinstance(message.get("timings"), Mapping):
+            self._timings = message["timings"]
+        choices = message.get("choices")
+        if choices is None and "usage" not in message:
+            raise malformed_event(event.data, "an event without choices")
+        if not isinstance(choices, list) or not choices:
+            return []  # the usage-only event (choices: []): merged into the final chunk
+        choice = choices[0]
+        if not isinstance(choice, Mapping):
+            raise malformed_event(event.data, "a choice that is not an object")
+        text, tokens = self._text_and_tokens(choice)
+        finish = finish_reason(choice)
+        out: list[Chunk] = []
+        if self._final is not None:  # more after the closing chunk (several choices?): keep it as it is
+            out.append(self._final)
+            self._final = None
+        self.output_tokens += tokens
+        chunk = Chunk(received_at=received_at, num_tokens=tokens, text=text, finish_reason=finish,
+                      prompt_tokens=None, completion_tokens=None, timing=None)
+        if finish is not None:
+            self._final = chunk
+        elif tokens or text:
+            out.append(chunk)
+        return out
+
+    def _text_and_tokens(self, choice: Mapping[str, Any]) -> tuple[str, int]:
+        if self.chat:
+            delta = choice.get("delta") or {}
+            text = delta.get("content") if isinstance(delta, Mapping) else None
+            text = text if isinstance(text, str) else ""
+            carries = bool(text) or (isinstance(delta, Mapping) and bool(
+                delta.get("reasoning_content") or delta.get("tool_calls")))
+        else:
+            text = choice.get("text")
+            text = text if isinstance(text, str) else ""
+            carries = bool(text) or not choice.get("finish_reason")
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, Mapping):
+            for key in ("tokens", "content"):  # legacy completions (vLLM); chat and llama-server
+                if isinstance(logprobs.get(key), list):
+                    return text, len(logprobs[key])
+        return text, 1 if carries else 0
+
+    def end(self) -> list[Chunk]:
+        """The end of the answer ([DONE] or the end of the body): the held final chunk, with usage."""
+        self.done = True
+        if self._ended:
+            return []
+        self._ended = True
+        final, self._final = self._final, None
+        if final is None and self._usage is None:
+            return []
+        usage = self._usage or {}
+        timings = _numbers(self._timings)
+        prompt_tokens = _int(usage.get("prompt_tokens"))
+        details = usage.get("prompt_tokens_details")
+        cached = _int(details.get("cached_tokens")) if isinstance(details, Mapping) else None
+        if cached is None and timings is not None and "cache_n" in timings:
+            cached = int(timings["cache_n"])
+        self.usage_input_tokens = prompt_tokens
+        self.cached_tokens = cached
+        return [Chunk(
+            received_at=final.received_at if final is not None else time.perf_counter(),
+            num_tokens=final.num_tokens if final is not None else 0,
+            text=final.text if final is not None else "",
+            finish_reason=final.finish_reason if final is not None else None,
+            prompt_tokens=prompt_tokens, completion_tokens=_int(usage.get("completion_tokens")),
+            timing=None, cached_prompt_tokens=cached, server_timings=timings,
+        )]
+
+
+def finish_reason(choice: Mapping[str, Any]) -> str | None:
+    """The domain finish reason of a choice: LENGTH, EOS, STOP (a stop string matched, where the
+    server says so), None while it goes on; "abort" (vLLM's engine aborted it) raises StreamError."""
+    raw = choice.get("finish_reason")
+    if raw is None or raw == "":  # TGI's streamed completions may say "" while the answer goes on
+        return None
+    if raw == "length":
+        return "LENGTH"
+    if raw == "stop":
+        # vLLM: stop_reason None (EOS) or the stop token id / string; SGLang: matched_stop id or string
+        matched = choice.get("stop_reason", choice.get("matched_stop"))
+        return "STOP" if isinstance(matched, str) else "EOS"
+    if raw == "eos_token":  # TGI
+        return "EOS"
+    if raw in ("stop_sequence", "tool_calls", "function_call", "content_filter"):
+        return "STOP"
+    if raw in ("abort", "error"):
+        err = StreamError(f"the server ended the answer with finish_reason {raw!r}",
+                          metadata={"httpStatus": 200, "finishReason": raw})
+        err.http_status = 200
+        raise err
+    return str(raw).upper()
+
+
+def completion_body(spec: DecodeSpec, model: str | None) -> dict[str, Any]:
+    """The JSON of POST /v1/completions for one DecodeSpec (the prompt as token ids)."""
+    body: dict[str, Any] = {}
+    if model:
+        body["model"] = model
+    body.update({
+        "prompt": list(spec.prompt_token_ids), "max_tokens": spec.max_new_tokens,
+        "stream": True, "stream_options": {"include_usage": True},
+        "temperature": spec.temperature, "top_p": spec.top_p, "seed": spec.seed,
+    })
+    if spec.top_k > 0:
+        body["top_k"] = spec.top_k
+    if spec.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def server_info_from(reported: Mapping[str, Any], *, model: str | None, vocab_size: int | None,
+                     url: str) -> ServerInfo:
+    """The ServerInfo of the answers of /props, /v1/models, /info and /version (those that came)."""
+    props = _mapping(reported.get("props"))
+    models = _mapping(reported.get("models"))
+    info = _mapping(reported.get("info"))
+    version = _mapping(reported.get("version"))
+    data = models.get("data")
+    first = _mapping(data[0]) if isinstance(data, list) and data else {}
+    meta = _mapping(first.get("meta"))
+    settings = _mapping(props.get("default_generation_settings"))
+    name = (model or _str(first.get("id")) or _str(info.get("model_id")) or _str(props.get("model_alias"))
+            or Path(_str(props.get("model_path")) or "").name)
+    context = (_int(settings.get("n_ctx")) or _int(meta.get("n_ctx")) or _int(first.get("max_model_len"))
+               or _int(info.get("max_total_tokens")) or 0)
+    vocab = _int(meta.get("n_vocab")) or vocab_size
+    if not vocab:
+        raise ValueError(f"vocab_size: the server at {url} does not report its vocabulary size; set vocab_size "
+                         "in the server's table")
+    is_llama = bool(props) and "total_slots" in props
+    return ServerInfo(
+        model=name, max_context_tokens=context, max_new_tokens_limit=0,
+        max_batch_size=_int(props.get("total_slots")) or 0, queue_capacity=0, vocab_size=vocab,
+        eos_token_id=-1, bos_token_id=-1, device="", dtype=_str(props.get("model_ftype")) or "",
+        tokenizer=_str(info.get("model_id")) or "",
+        engine_version=(_str(props.get("build_info")) or _str(info.get("version")) or _str(version.get("version"))
+                        or ""),
+        # llama-server says whether it has a template; the others serve chat when the model has one
+        has_chat_template=bool(props.get("chat_template")) if is_llama else True,
+        api=OPENAI, reported=dict(reported),
+    )
+
+
+def base_url(target: str, *, tls: bool) -> str:
+    """The base URL of `target`; raises ValueError for a scheme that contradicts the TLS settings."""
+    target = target.strip().rstrip("/")
+    if "://" not in target:
+        target = ("https://" if tls else "http://") + target
+    split = urlsplit(target)
+    if split.scheme not in ("http", "https") or not split.hostname:
+        raise ValueError(f"target must be an http:// or https:// URL (or host:port), got {target!r}")
+    if tls and split.scheme == "http":
+        raise ValueError(f"target {target!r} is plain http:// but the TLS settings (tls) ask for TLS: "
+                         "use an https:// target or drop the tls settings")
+    return target.removesuffix("/v1")
+
+
+def ssl_context(tls: TlsConfig) -> ssl.SSLContext:
+    """A client SSLContext: the CA of `tls` (else the system's roots) and its client certificate."""
+    context = ssl.create_default_context(cadata=tls.ca_pem.decode() if tls.ca_pem else None)
+    if tls.cert_pem or tls.key_pem:
+        if not (tls.cert_pem and tls.key_pem):
+            raise ValueError("tls: a client certificate needs both cert_file and key_file")
+        with tempfile.TemporaryDirectory() as folder:  # load_cert_chain reads files only
+            cert, key = Path(folder, "cert.pem"), Path(folder, "key.pem")
+            cert.write_bytes(tls.cert_pem)
+            key.touch(mode=0o600)
+            key.write_bytes(tls.key_pem)
+            context.load_cert_chain(cert, key)
+    return context
+
+
+def _failed(span: trace.Span, err: EngineError) -> None:
+    span.set_attribute("error.type", err.reason or type(err).__name__)
+    span.add_event("http_error", {"error.code": status_code_of(err).name, "error.reason": err.reason,
+                                  "error.message": err.message})
+    span.set_status(Status(StatusCode.ERROR, f"{type(err).__name__}: {err.message}"))
+
+
+def _timeout(url: str, timeout: float) -> ClientTimeout:
+    return ClientTimeout(f"{url}: no complete answer within the client's timeout of {timeout:g} s",
+                         metadata={"url": url, "timeoutSeconds": f"{timeout:g}"})
+
+
+def _loading(err: EngineError, url: str) -> EngineUnavailable:
+    """A 503 before any point (llama-server loading its model): wait for health, as for a server down."""
+    down = EngineUnavailable(f"{url}: {err.message}", metadata=err.metadata, retry_delay=err.retry_delay)
+    down.http_status = err.http_status
+    return down
+
+
+def _not_an_openai_server(url: str) -> EngineError:
+    err = from_http_response(404, {}, f"{url} serves none of /props, /v1/models, /info: not an OpenAI-compatible "
+                                      "server (or not this API)")
+    return err
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _numbers(value: Mapping[str, Any] | None) -> dict[str, float] | None:
+    if not value:
+        return None
+    return {k: float(v) for k, v in value.items() if isinstance(v, int | float) and not isinstance(v, bool)}
