@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 OUT ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 Q ?= What is the capital of France?
 
-.PHONY: setup demo test serve chat lint proto drills mutate peers
+.PHONY: setup demo test serve chat lint proto drills mutate peers compare
 
 setup: $(VENV)/.installed
 
@@ -38,6 +38,11 @@ chat: setup
 # benchmarks/llamacpp.py. About 15-20 minutes on 2 cores the first time; cached after (a few seconds).
 peers: setup
 	$(BIN)/python benchmarks/llamacpp.py --build-only
+
+# This engine (its defaults, over gRPC) and llama-server (HTTP) side by side on the packaged SmolLM2 GGUF,
+# the same prompts, one sweep (bench_client/compare.toml): about 5 minutes on 2 cores, after `make peers`.
+compare: peers
+	$(BIN)/python -m bench_client sweep bench_client/compare.toml --out runs/compare-$(shell date +%Y%m%d-%H%M%S)
 
 lint: setup
 	$(BIN)/ruff check .

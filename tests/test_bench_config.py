@@ -343,3 +343,13 @@ def test_cli_exits_2_on_a_prefix_longer_than_a_context(tmp_path: Path, capsys: p
     assert ("workload.prefix_tokens must be <= every workload.context_tokens value (the prefix is part of the "
             "prompt; smallest 32), got 64") in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # refused before the results directory and any request
+
+
+def test_the_packaged_comparison_loads_this_engine_beside_llama_server() -> None:
+    config = load_config(DEMO.parent / "compare.toml")
+    engine, llama = config.servers
+    assert (engine.name, engine.api, llama.name, llama.api) == ("engine", "engine.v1", "llama-server", "openai")
+    assert engine.launch is not None and llama.launch is not None
+    assert "--dtype" not in engine.launch.command  # the engine's own defaults
+    assert {"{llama_server}", "{smollm2_gguf}", "--no-repack"} <= set(llama.launch.command)
+    assert config.workload.concurrency == (1, 8, 32) and config.workload.requests_per_point >= 32
