@@ -88,10 +88,10 @@ from bench_client.config_fields import (
     read_str,
     read_table,
 )
-from bench_client.credentials import ChannelSecurity, TlsConfig, read_security
+from bench_client.credentials import ChannelSecurity, read_security
 from bench_client.server_api import APIS, ENGINE_V1, OPENAI
 
-__all__ = ["ChannelSecurity", "ConfigError", "TlsConfig"]  # re-exported: the config's concerns, in one place
+__all__ = ["ConfigError"]  # re-exported: every reader of a configuration catches it from here
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from bench_client.config import ChannelSecurity, TlsConfig
+from bench_client.credentials import ChannelSecurity, TlsConfig
 from bench_client.openai_errors import from_error_frame, from_http_response, malformed_event, transport_failure
 from bench_client.server_api import OPENAI, ChatSpec, Chunk, DecodeSpec, DecodeStream, ServerInfo
 from bench_client.sse import Event, SSEParser

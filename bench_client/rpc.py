@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
-from bench_client.config import ChannelSecurity, TlsConfig
+from bench_client.credentials import ChannelSecurity, TlsConfig
 from bench_client.server_api import ChatSpec, Chunk, DecodeSpec, DecodeStream, EngineTiming, ServerInfo
 from engine.v1 import engine_pb2, engine_pb2_grpc
 from shared.engine_channel import SERVICE_NAME, EngineChannel, EngineTls, open_engine_channel, replica_of

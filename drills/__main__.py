@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import grpc
 
-from drills import crash, drain, fuzz, overload, readers, replicas, seqfaults
+from drills import crash, drain, fuzz, http_peer, overload, readers, replicas, seqfaults
 from drills.common import note
 from drills.row import Row, markdown_table
 
@@ -22,6 +22,7 @@ DRILLS: dict[str, Callable[[bool], Row]] = {
     drain.NAME: drain.run,
     seqfaults.NAME: seqfaults.run,
     replicas.NAME: replicas.run,
+    http_peer.NAME: http_peer.run,
 }
 
 
@@ -38,8 +39,12 @@ def run_one(name: str, quick: bool) -> Row:
 
 
 def totals(rows: list[Row]) -> str:
-    """The headline figures across the drills that ran (those that did not run are left out)."""
+    """The headline figures across the drills that ran (those that did not run are left out). A
+    count that several drills report (client kill -9, resumes tested) is summed over them."""
     fig = {k: v for r in rows for k, v in r.figures.items()}
+    summed = {k: sum(int(r.figures[k]) for r in rows if k in r.figures)  # type: ignore[call-overload]
+              for k in ("client kill -9", "resumes tested") if k in fig}
+    fig.update(summed)
     parts = []
     if "cases fuzzed" in fig:
         parts.append(f"cases fuzzed {fig['cases fuzzed']}")
@@ -48,7 +53,8 @@ def totals(rows: list[Row]) -> str:
                      f"({fig['completed/s']} completed/s)")
     faults = [f"{fig[k]} {label}" for k, label in (("faults injected", "sequence faults"),
                                                     ("engine crashes survived", "engine crashes"),
-                                                    ("client kill -9", "client kill -9"))
+                                                    ("client kill -9", "client kill -9"),
+                                                    ("llama-server kill -9", "llama-server kill -9"))
               if k in fig]
     if faults:
         parts.append("faults injected and survived: " + " + ".join(faults))

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench_client.config import ChannelSecurity, TlsConfig
+from bench_client.credentials import ChannelSecurity, TlsConfig
 from bench_client.rpc import EngineClient
 from bench_client.sweep import SweepEnd
 from shared.engine_channel import channel_options

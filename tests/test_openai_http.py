@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bench_client import openai_http
-from bench_client.config import ChannelSecurity, TlsConfig
+from bench_client.credentials import ChannelSecurity, TlsConfig
 from bench_client.openai_http import OpenAIClient
 from bench_client.server_api import ChatMessage, ChatSpec, Chunk, DecodeSpec
 from shared.errors import (
