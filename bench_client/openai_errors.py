@@ -312,6 +312,6 @@ def _int(value: Any) -> int | None:
         return None
     if isinstance(value, int):
         return value
-    if isinstance(value, str) and value.isdigit():
+    if isinstance(value, str) and value.isdecimal():  # not isdigit: "²".isdigit(), and int("²") fails
         return int(value)
     return None

@@ -142,3 +142,20 @@ def test_cached_prompt_tokens_total_and_mean_per_completed_request() -> None:
     empty = compute([], duration_s=1.0)
     assert empty.total_cached_prompt_tokens == 0 and empty.mean_cached_prompt_tokens is None
     assert compute([a], duration_s=1.0).as_dict()["mean_cached_prompt_tokens"] == 64.0
+
+
+def test_the_servers_own_counts_and_timings_beside_the_clients() -> None:
+    # found by `make mutate` (docs/mutation-testing.md): nothing read these figures back
+    agrees = timeline(0.0, (0.1, 2), (0.2, 1), usage_completion_tokens=3,
+                      server_timings={"prompt_ms": 10.0, "predicted_n": 3, "cache_n": True, "odd": math.nan,
+                                      "name": "x"})
+    differs = timeline(0.0, (0.1, 1), (0.2, 2), usage_completion_tokens=5,
+                       server_timings={"prompt_ms": 20.0, "cache_n": 1})
+    silent = timeline(0.0, (0.1, 1), (0.2, 2))
+    assert (agrees.usage_mismatch, differs.usage_mismatch, silent.usage_mismatch) == (False, True, False)
+    point = compute([agrees, differs, silent], duration_s=1.0)
+    assert point.usage_mismatches == 1
+    # the mean of each finite number over the reports that carry it; a bool, a NaN or a string is no figure
+    assert point.server_timings_mean == {"cache_n": 1.0, "predicted_n": 3.0, "prompt_ms": 15.0}
+    assert list(point.server_timings_mean) == ["cache_n", "predicted_n", "prompt_ms"]
+    assert compute([silent], duration_s=1.0).server_timings_mean == {}

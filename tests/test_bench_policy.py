@@ -87,6 +87,13 @@ def test_every_row_has_a_reason_to_exist() -> None:
     assert rule_for(ContextLengthExceeded.build(9, 1, 8)) is BY_CLASS[type(InvalidField("f", 1, "m")).__mro__[1]]
 
 
+def test_a_row_stops_the_sweep_before_the_first_token_exactly_when_it_does_mid_stream() -> None:
+    # decide_preview reads the before-first-token action; docs/mutation-survivors.toml counts reading
+    # the mid-stream one instead as equivalent because of this
+    for key, rule in [*BY_CLASS.items(), *BY_CODE.items()]:
+        assert (rule.before_first_token is Action.STOP_SWEEP) == (rule.mid_stream is Action.STOP_SWEEP), key
+
+
 def test_setup_calls_wait_only_where_the_table_waits_and_the_preview_stops_only_for_credentials() -> None:
     assert decide_server_info(received(EngineUnavailable, grpc.StatusCode.UNAVAILABLE)) is \
         Action.WAIT_FOR_HEALTH_THEN_RETRY

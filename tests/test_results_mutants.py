@@ -48,6 +48,9 @@ def test_engine_key_is_canonical_and_rates_round_trip() -> None:
     assert (rate_from_json("inf"), rate_from_json(2.5), rate_from_json(3)) == (math.inf, 2.5, 3.0)
     key = PointKey.of_record({**record(), "engine": {"b": 1, "a": 2}, "request_rate": 1.5})
     assert key == PointKey('{"a": 2, "b": 1}', 64, 16, 1, 1.5)
+    # the [servers.NAME] a point ran against is part of its key; records older than [servers] have none
+    assert PointKey.of_record({**record(), "server": "llama"}).server == "llama"
+    assert PointKey.of_record({**record(), "server": None}).server == ""
 
 
 TAILS = [

@@ -130,3 +130,56 @@ def test_any_split_gives_the_same_events(stream: tuple[bytes, list[tuple[str, st
     events, rest = parse(*chunks)
     assert [(e.event, e.data, e.id) for e in events] == expected
     assert rest is None
+
+
+# The corners below were found by `make mutate` (docs/mutation-testing.md).
+
+
+def test_invalid_utf8_becomes_the_replacement_character() -> None:
+    events, _ = parse(b"data: a\xffb\n\n")
+    assert events == [Event(data="a\ufffdb")]
+
+
+def test_bytes_cut_at_the_end_of_the_body_are_one_replacement_character() -> None:
+    events, rest = parse(b"data: x\xe2\x82")
+    assert events == [] and rest == Event(data="x\ufffd")
+
+
+def test_a_bom_is_dropped_only_at_the_start_of_the_stream() -> None:
+    events, _ = parse(b"data: x", b"\xef\xbb\xbfy\n\n")
+    assert events == [Event(data="x\ufeffy")]
+    events, _ = parse(b"", b"\xef\xbb\xbfdata: z\n\n")  # an empty first chunk does not start it
+    assert events == [Event(data="z")]
+
+
+def test_a_lf_after_a_cr_that_ended_the_last_chunk_is_that_line_end() -> None:
+    events, rest = parse(b"data: a\r", b"\ndata: b\r\n\r\n")
+    assert events == [Event(data="a\nb")] and rest is None
+    # only the one LF right after it: a blank line after that still dispatches
+    events, rest = parse(b"data: a\r", b"\n", b"\ndata: b\n\n")
+    assert events == [Event(data="a"), Event(data="b")] and rest is None
+
+
+def test_a_crlf_that_ends_a_chunk_is_one_line_end() -> None:
+    events, rest = parse(b"data: a\r\n", b"data: b\r\n\r\n")
+    assert events == [Event(data="a\nb")] and rest is None
+
+
+def test_close_returns_every_field_of_the_unfinished_event() -> None:
+    events, rest = parse(b"event: update\nid: 9\ndata: a\ndata: b")
+    assert events == [] and rest == Event(data="a\nb", event="update", id="9")
+
+
+def test_retry_is_none_until_the_stream_sends_one() -> None:
+    parser = SSEParser()
+    assert parser.retry_ms is None
+    parser.feed(b"retry: 20\n")
+    assert parser.retry_ms == 20
+
+
+def test_feed_after_close_says_so() -> None:
+    parser = SSEParser()
+    assert parser.close() is None
+    with pytest.raises(ValueError, match=r"^feed\(\) after close\(\)$"):
+        parser.feed(b"")
+    assert parser.close() is None
