@@ -127,7 +127,7 @@ def client_kills(work: Path, quick: bool, checks: Checks) -> tuple[int, dict[str
     # 96 new tokens: a point must outlast the kill's random delay (up to 0.2 s) even on a fast engine,
     # or a kill meant for the last points lands after the sweep has ended
     grid = Grid([8, 16, 24, 32], [1, 2], 96, 4)
-    kills = 2 if quick else 5
+    kills = 1 if quick else 5
     rng = random.Random(KILL_SEED)
     lost, resumes, mid_sweep = 0, 0, 0
     with EngineProcess("--model", "tiny") as engine:

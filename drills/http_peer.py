@@ -139,7 +139,7 @@ def reap(pids: list[int]) -> None:
 def client_kills(work: Path, quick: bool, checks: Checks) -> tuple[int, dict[str, object]]:
     """(a) One sweep killed with SIGKILL at `kills` seeded random instants, resumed after each."""
     grid = GRID_QUICK if quick else GRID_FULL
-    kills = 2 if quick else 4
+    kills = 1 if quick else 4
     rng = random.Random(KILL_SEED)
     total = len(grid.points)
     config, out, log = work / "kill.toml", work / "out-kill", work / "sweep-kill.log"

@@ -1,9 +1,11 @@
 """A real sweep against the real llama-server (llama.cpp, `make peers`), through the CLI.
 
 Two slots of 512 tokens (-np 2 -c 1024): the 32- and 200-token points fit, the 700-token point does
-not and is skipped with llama-server's own 400 message. The second test kills the sweep with
-SIGKILL mid-sweep and resumes it: every point is recorded once, and the managed llama-server dies
-with the sweep (bench_client.parent_death), leaving none behind.
+not and is skipped with llama-server's own 400 message. The sweep, with the llama-server it manages,
+is killed with SIGKILL mid-sweep and resumed: every point is recorded once, and the managed
+llama-server dies with the sweep (bench_client.parent_death), leaving none behind. (A sweep of a
+running server's `target` is the same adapter: tests/test_bench_http_sweep.py; the server killed
+and restarted mid-sweep: the http drill.)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.engines import ROOT
-from tests.llama_server import SERVER_FLAGS, LlamaServer, require_llama_server
+from tests.llama_server import SERVER_FLAGS, require_llama_server
 
 SLOTS, CTX = 2, 1024  # 512 tokens per slot
 CONTEXTS, NEW, CONCURRENCY = (32, 200, 700), 8, (1, 2)
@@ -79,22 +81,6 @@ def _failure(proc: subprocess.CompletedProcess[str], *logs: Path) -> str:
         if log.is_file():
             text += f"\n--- {log.name} ---\n{log.read_text(errors='replace')[-3000:]}"
     return text
-
-
-def test_sweep_against_a_running_llama_server(tmp_path: Path) -> None:
-    binary = require_llama_server()
-    with LlamaServer(binary, slots=SLOTS, ctx=CTX, log_path=tmp_path / "llama-server.log") as server:
-        config = tmp_path / "sweep.toml"
-        config.write_text(f'api = "openai"\ntarget = "{server.url}"\n' + WORKLOAD)
-        out = tmp_path / "out"
-        proc = _run(_sweep(config, out))
-        assert proc.returncode == 0, _failure(proc, server.log_path)
-    records = _records(out)
-    _check_points(records, _failure(proc, server.log_path))
-    for r in records:
-        assert (r["api"], r["engine"], r["target"]) == ("openai", None, server.url), r
-    refused = [r for r in records if r["status"] == "skipped" and not r["skipped_without_sending"]]
-    assert refused, records  # at least one was sent and refused by the server itself
 
 
 def _llama_children(pid: int) -> list[int]:
@@ -170,6 +156,9 @@ drain_timeout_s = 10.0
     _check_points(records, _failure(resumed))
     assert [_key(r) for r in records[:len(before)]] == [_key(r) for r in before]  # kept, not rerun
     assert len({r["run_id"] for r in records}) == 2, records
+    assert {r["api"] for r in records} == {"openai"} and {r["server_info"]["dtype"] for r in records} == {"Q4_1"}
+    refused = [r for r in records if r["status"] == "skipped" and not r["skipped_without_sending"]]
+    assert refused and refused[0]["skip_code"] == "HTTP_400", records  # refused by the server itself
     engines = [json.loads(line) for line in (out / "engines.jsonl").read_text().splitlines() if line.strip()]
     assert engines, "the resumed sweep recorded no managed engine run"
     assert all(e["how"] == "drained" for e in engines), engines
