@@ -53,7 +53,7 @@ from opentelemetry.util.types import AttributeValue
 
 from bench_client.credentials import ChannelSecurity, TlsConfig
 from bench_client.openai_errors import from_error_frame, from_http_response, malformed_event, transport_failure
-from bench_client.server_api import OPENAI, ChatSpec, Chunk, DecodeSpec, DecodeStream, ServerInfo
+from bench_client.server_api import OPENAI, ChatSpec, Chunk, DecodeSpec, DecodeStream, ServerInfo, poll_until_serving
 from bench_client.sse import Event, SSEParser
 from shared.errors import ClientTimeout, EngineError, EngineUnavailable, QueueFull, StreamError, status_code_of
 
@@ -175,13 +175,7 @@ class OpenAIClient:
 
     async def wait_until_serving(self, timeout: float, poll_s: float = 0.2) -> bool:
         """Poll /health until it answers 200 or `timeout` seconds passed; returns whether it did."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if await self.is_serving(timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
+        return await poll_until_serving(self.is_serving, timeout, poll_s)
 
     async def server_info(self, timeout: float = 10.0) -> ServerInfo:
         """What the server reports: llama-server's /props and /v1/models (`meta.n_vocab`), vLLM's

@@ -25,7 +25,15 @@ from opentelemetry import trace
 from opentelemetry.util.types import AttributeValue
 
 from bench_client.credentials import ChannelSecurity, TlsConfig
-from bench_client.server_api import ChatSpec, Chunk, DecodeSpec, DecodeStream, EngineTiming, ServerInfo
+from bench_client.server_api import (
+    ChatSpec,
+    Chunk,
+    DecodeSpec,
+    DecodeStream,
+    EngineTiming,
+    ServerInfo,
+    poll_until_serving,
+)
 from engine.v1 import engine_pb2, engine_pb2_grpc
 from shared.engine_channel import SERVICE_NAME, EngineChannel, EngineTls, open_engine_channel, replica_of
 from shared.errors import from_rpc_error, status_code_of
@@ -96,14 +104,8 @@ class EngineClient:
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
     async def wait_until_serving(self, timeout: float, poll_s: float = 0.2) -> bool:
-        """Poll health until SERVING or `timeout` seconds passed; returns whether it is serving."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if await self.is_serving(timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(poll_s)
+        """Poll health until SERVING or `timeout` seconds passed; returns whether it did."""
+        return await poll_until_serving(self.is_serving, timeout, poll_s)
 
     def decode(self, spec: DecodeSpec, *, timeout: float,
                attributes: Mapping[str, AttributeValue] | None = None) -> DecodeStream:

@@ -8,7 +8,9 @@ the policy table, the point runner, the metrics and the results never learn whic
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -125,3 +127,16 @@ class ServerClient(Protocol):
                attributes: Mapping[str, Any] | None = None) -> DecodeStream: ...
 
     def chat(self, spec: ChatSpec, *, timeout: float) -> DecodeStream: ...
+
+
+async def poll_until_serving(is_serving: Callable[[float], Awaitable[bool]], timeout: float,
+                             poll_s: float = 0.2) -> bool:
+    """Ask `is_serving(per_check_timeout)` until it says yes or `timeout` seconds passed; whether it did.
+    Each check gets at most 2 s, and never more than what is left (at least 0.1 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if await is_serving(max(0.1, min(2.0, deadline - time.monotonic()))):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))

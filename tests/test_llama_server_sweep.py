@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from drills.http_peer import llama_children, wait_gone
 from tests.engines import ROOT
 from tests.llama_server import SERVER_FLAGS, require_llama_server
 
@@ -83,38 +84,6 @@ def _failure(proc: subprocess.CompletedProcess[str], *logs: Path) -> str:
     return text
 
 
-def _llama_children(pid: int) -> list[int]:
-    """The llama-server processes whose parent is pid (parent_death execs into the server)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and cmdline and cmdline[0].endswith(b"llama-server"):
-            found.append(int(entry.name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
-def _wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; parent_death is Linux's prctl")
 def test_kill_9_mid_sweep_then_resume_records_every_point_once(tmp_path: Path) -> None:
     require_llama_server()
@@ -136,9 +105,9 @@ drain_timeout_s = 10.0
         while not (results.is_file() and results.read_text().count("\n") >= 1):
             assert sweep.poll() is None, f"the sweep exited with {sweep.returncode} before recording a point"
             assert time.monotonic() < deadline, "no point recorded within 90 s"
-            servers = _llama_children(sweep.pid) or servers
+            servers = llama_children(sweep.pid) or servers
             time.sleep(0.05)
-        servers = _llama_children(sweep.pid) or servers
+        servers = llama_children(sweep.pid) or servers
         os.kill(sweep.pid, signal.SIGKILL)
         sweep.wait(10)
     finally:
@@ -146,7 +115,7 @@ drain_timeout_s = 10.0
             sweep.kill()
             sweep.wait(10)
     assert servers, "the sweep's managed llama-server was never seen"
-    assert _wait_gone(servers) == [], f"llama-server {servers} outlived the killed sweep"
+    assert wait_gone(servers) == [], f"llama-server {servers} outlived the killed sweep"
     before = _records(out)
     assert 1 <= len(before) < len(POINTS), before
 
@@ -162,4 +131,4 @@ drain_timeout_s = 10.0
     engines = [json.loads(line) for line in (out / "engines.jsonl").read_text().splitlines() if line.strip()]
     assert engines, "the resumed sweep recorded no managed engine run"
     assert all(e["how"] == "drained" for e in engines), engines
-    assert _wait_gone([e["pid"] for e in engines] + servers, timeout=5) == [], engines  # none left behind
+    assert wait_gone([e["pid"] for e in engines] + servers, timeout=5) == [], engines  # none left behind
