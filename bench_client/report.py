@@ -1,6 +1,7 @@
 """The report: a table of every point (skipped and failed ones with their reason) and PNG plots.
 
-The table's first column is the server ([servers.NAME], or the target of a sweep of one server).
+The table's first column is the server ([servers.NAME]; for a sweep of one unnamed server, its target,
+or its API when the client starts it).
 Plots, one line per server and engine configuration, one small panel per value of the other parameters:
 - `throughput_vs_concurrency.png`: output token throughput against concurrency.
 - `latency_vs_context.png`: median TTFT and median TPOT against context length.
@@ -37,8 +38,13 @@ def _engine_label(engine: dict[str, Any] | None) -> str:
 
 
 def _server_label(record: dict[str, Any]) -> str:
-    """The [servers.NAME] of the point; its target for a sweep of one unnamed server."""
-    return record.get("server") or record.get("target") or "-"
+    """The [servers.NAME] of the point; for a sweep of one unnamed server, its target when it runs
+    already, else its API (a managed server's address changes with each engine configuration)."""
+    if record.get("server"):
+        return str(record["server"])
+    if record["engine"] is None and record.get("target"):
+        return str(record["target"])
+    return str(record.get("api") or "engine.v1")
 
 
 def _line_label(record: dict[str, Any]) -> str:
