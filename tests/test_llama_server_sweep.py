@@ -1,6 +1,6 @@
 """A real sweep against the real llama-server (llama.cpp, `make peers`), through the CLI.
 
-Two slots of 512 tokens (-np 2 -c 1024): the 32- and 200-token points fit, the 700-token point does
+Two slots of 512 tokens (-np 2 -c 1024): the 32-token points fit, the 700-token point does
 not and is skipped with llama-server's own 400 message. The sweep, with the llama-server it manages,
 is killed with SIGKILL mid-sweep and resumed: every point is recorded once, and the managed
 llama-server dies with the sweep (bench_client.parent_death), leaving none behind. (A sweep of a
@@ -25,8 +25,8 @@ from tests.engines import ROOT
 from tests.llama_server import SERVER_FLAGS, require_llama_server
 
 SLOTS, CTX = 2, 1024  # 512 tokens per slot
-CONTEXTS, NEW, CONCURRENCY = (32, 200, 700), 8, (1, 2)
-REQUESTS = 4
+CONTEXTS, NEW, CONCURRENCY = (32, 700), 8, (1, 2)
+REQUESTS = 3
 FITS = {c for c in CONTEXTS if c + NEW <= CTX // SLOTS}
 POINTS = {(c, NEW, n) for c in CONTEXTS for n in CONCURRENCY}
 

@@ -47,7 +47,8 @@ def receiver():
 def client_tracer(receiver):
     """The client side of the trace: its own provider exporting to the same receiver."""
     provider = TracerProvider(resource=Resource({SERVICE_NAME: "client-under-test"}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=receiver.endpoint, insecure=True)))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=receiver.endpoint, insecure=True),
+                                                   schedule_delay_millis=100))  # the default waits 5 s
     yield provider.get_tracer("tests")
     provider.shutdown()
 
@@ -214,7 +215,8 @@ def test_the_decode_span_costs_little(receiver):
     from engine_service.telemetry import RequestOutcome, RequestTelemetry
 
     provider = TracerProvider()
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=receiver.endpoint, insecure=True)))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=receiver.endpoint, insecure=True),
+                                                   schedule_delay_millis=100))  # the default waits 5 s
     telemetry = RequestTelemetry(EngineMetrics(disabled_meter(), LoadSnapshot, lambda: 0), provider.get_tracer("t"))
     now = time.monotonic()
     timings = Timings(accepted=now, prefill_started=now + 0.001, first_token=now + 0.002, last_token=now + 0.1)
