@@ -206,16 +206,17 @@ class SweepRunner:
 
     async def _server_info(self, client: ServerClient, health: Any) -> ServerInfo:
         """What the server says about itself; the policy decides what a failure to ask means."""
-        try:
-            return await self._ask_server_info(client)
-        except EngineError as err:
-            if decide_server_info(err) is Action.STOP_SWEEP:
-                raise SweepStopped(f"asking {client.target} about itself failed: {wire_code(err)} "
-                                   f"{err.reason} ({err.message})") from err
-        if not await health.wait_until_serving(self.config.policy.health_wait_s):
-            raise SweepStopped(f"the server at {client.target} was not SERVING within "
-                               f"policy.health_wait_s={self.config.policy.health_wait_s:g} s")
-        return await self._ask_server_info(client)
+        for attempt in (1, 2):
+            try:
+                return await self._ask_server_info(client)
+            except EngineError as err:
+                if attempt == 2 or decide_server_info(err) is Action.STOP_SWEEP:
+                    raise SweepStopped(f"asking {client.target} about itself failed: {wire_code(err)} "
+                                       f"{err.reason} ({err.message})") from err
+            if not await health.wait_until_serving(self.config.policy.health_wait_s):
+                raise SweepStopped(f"the server at {client.target} was not SERVING within "
+                                   f"policy.health_wait_s={self.config.policy.health_wait_s:g} s")
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     @staticmethod
     async def _ask_server_info(client: ServerClient) -> ServerInfo:

@@ -215,3 +215,15 @@ async def test_401_stops_the_sweep_resumably(start: Start, tmp_path: Path) -> No
     result, _ = await run_in_process(raw, tmp_path / "out")
     assert result.end is SweepEnd.STOPPED and "HTTP_401" in result.message and "Invalid API key" in result.message
     assert read_results(tmp_path / "out") == [] if (tmp_path / "out" / "results.jsonl").exists() else True
+
+
+async def test_a_server_that_cannot_say_what_it_is_stops_the_sweep_naming_the_answer(start: Start,
+                                                                                      tmp_path: Path) -> None:
+    class Broken(FakeServer):
+        async def models(self, request: web.Request) -> web.Response:
+            return web.json_response({"error": {"message": "model registry down", "code": 500}}, status=500)
+
+    raw = {"api": "openai", "target": await start(Broken()), "vocab_size": VOCAB, "workload": workload()}
+    result, _ = await run_in_process(raw, tmp_path / "out")
+    assert result.end is SweepEnd.STOPPED
+    assert "about itself failed: HTTP_500" in result.message and "model registry down" in result.message
