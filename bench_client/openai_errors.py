@@ -144,13 +144,13 @@ def read_error_body(body: bytes | str | Mapping[str, Any] | None) -> ErrorBody:
         return ErrorBody(_cut(text.strip()) or "(empty body)")
     error = parsed.get("error")
     if isinstance(error, Mapping):
-        return ErrorBody(_message(error.get("message"), error) or _cut(text), _str(error.get("type")),
-                         _int(error.get("code")), error)
+        return ErrorBody(_message(error.get("message"), error) or _cut(text), json_str(error.get("type")),
+                         json_int(error.get("code")), error)
     if isinstance(error, str):  # TGI
-        return ErrorBody(_cut(error), _str(parsed.get("error_type")), _int(parsed.get("code")), parsed)
+        return ErrorBody(_cut(error), json_str(parsed.get("error_type")), json_int(parsed.get("code")), parsed)
     if "message" in parsed:  # {"object": "error", ...}
-        return ErrorBody(_message(parsed.get("message"), parsed) or _cut(text), _str(parsed.get("type")),
-                         _int(parsed.get("code")), parsed)
+        return ErrorBody(_message(parsed.get("message"), parsed) or _cut(text), json_str(parsed.get("type")),
+                         json_int(parsed.get("code")), parsed)
     if "detail" in parsed:  # FastAPI's own refusals
         return ErrorBody(_message(parsed.get("detail"), parsed) or _cut(text), None, None, parsed)
     return ErrorBody(_cut(text), None, None, parsed)
@@ -240,7 +240,7 @@ def context_numbers(info: ErrorBody) -> dict[str, int] | None:
     fields = info.fields or {}
     if info.type in _CONTEXT_TYPES:
         for key, name in (("n_prompt_tokens", "promptTokens"), ("n_ctx", "maxContextTokens")):
-            value = _int(fields.get(key))
+            value = json_int(fields.get(key))
             if value is not None:
                 numbers[name] = value
     for pattern in _CONTEXT_WORDINGS:
@@ -303,15 +303,20 @@ def _dump(value: Any) -> str:
         return str(value)
 
 
-def _str(value: Any) -> str | None:
+def json_str(value: Any) -> str | None:
+    """A JSON field as a non-empty string, else None (the adapter reads the servers' bodies with it too)."""
     return value if isinstance(value, str) and value else None
 
 
-def _int(value: Any) -> int | None:
+def json_int(value: Any) -> int | None:
+    """A JSON field as an integer: an int, a float with no fraction (400.0) or a decimal string ("429"),
+    else None (a bool, another string, anything else)."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
         return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
     if isinstance(value, str) and value.isdecimal():  # not isdigit: "²".isdigit(), and int("²") fails
         return int(value)
     return None

@@ -52,7 +52,14 @@ from opentelemetry.trace import Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from bench_client.credentials import ChannelSecurity, TlsConfig
-from bench_client.openai_errors import from_error_frame, from_http_response, malformed_event, transport_failure
+from bench_client.openai_errors import (
+    from_error_frame,
+    from_http_response,
+    json_int,
+    json_str,
+    malformed_event,
+    transport_failure,
+)
 from bench_client.server_api import OPENAI, ChatSpec, Chunk, DecodeSpec, DecodeStream, ServerInfo, poll_until_serving
 from bench_client.sse import Event, SSEParser
 from shared.errors import ClientTimeout, EngineError, EngineUnavailable, QueueFull, StreamError, status_code_of
@@ -408,9 +415,9 @@ class _StreamReader:
             return []
         usage = self._usage or {}
         timings = _numbers(self._timings)
-        prompt_tokens = _int(usage.get("prompt_tokens"))
+        prompt_tokens = json_int(usage.get("prompt_tokens"))
         details = usage.get("prompt_tokens_details")
-        cached = _int(details.get("cached_tokens")) if isinstance(details, Mapping) else None
+        cached = json_int(details.get("cached_tokens")) if isinstance(details, Mapping) else None
         if cached is None and timings is not None and "cache_n" in timings:
             cached = int(timings["cache_n"])
         self.usage_input_tokens = prompt_tokens
@@ -420,7 +427,7 @@ class _StreamReader:
             num_tokens=final.num_tokens if final is not None else 0,
             text=final.text if final is not None else "",
             finish_reason=final.finish_reason if final is not None else None,
-            prompt_tokens=prompt_tokens, completion_tokens=_int(usage.get("completion_tokens")),
+            prompt_tokens=prompt_tokens, completion_tokens=json_int(usage.get("completion_tokens")),
             timing=None, cached_prompt_tokens=cached, server_timings=timings,
         )]
 
@@ -477,21 +484,21 @@ def server_info_from(reported: Mapping[str, Any], *, model: str | None, vocab_si
     first = _mapping(data[0]) if isinstance(data, list) and data else {}
     meta = _mapping(first.get("meta"))
     settings = _mapping(props.get("default_generation_settings"))
-    name = (model or _str(first.get("id")) or _str(info.get("model_id")) or _str(props.get("model_alias"))
-            or Path(_str(props.get("model_path")) or "").name)
-    context = (_int(settings.get("n_ctx")) or _int(meta.get("n_ctx")) or _int(first.get("max_model_len"))
-               or _int(info.get("max_total_tokens")) or 0)
-    vocab = _int(meta.get("n_vocab")) or vocab_size
+    name = (model or json_str(first.get("id")) or json_str(info.get("model_id")) or json_str(props.get("model_alias"))
+            or Path(json_str(props.get("model_path")) or "").name)
+    context = (json_int(settings.get("n_ctx")) or json_int(meta.get("n_ctx")) or json_int(first.get("max_model_len"))
+               or json_int(info.get("max_total_tokens")) or 0)
+    vocab = json_int(meta.get("n_vocab")) or vocab_size
     if not vocab:
         raise ValueError(f"vocab_size: the server at {url} does not report its vocabulary size; set vocab_size "
                          "in the server's table")
     is_llama = bool(props) and "total_slots" in props
     return ServerInfo(
         model=name, max_context_tokens=context, max_new_tokens_limit=0,
-        max_batch_size=_int(props.get("total_slots")) or 0, queue_capacity=0, vocab_size=vocab,
-        eos_token_id=-1, bos_token_id=-1, device="", dtype=_str(props.get("model_ftype")) or "",
-        tokenizer=_str(info.get("model_id")) or "",
-        engine_version=(_str(props.get("build_info")) or _str(info.get("version")) or _str(version.get("version"))
+        max_batch_size=json_int(props.get("total_slots")) or 0, queue_capacity=0, vocab_size=vocab,
+        eos_token_id=-1, bos_token_id=-1, device="", dtype=json_str(props.get("model_ftype")) or "",
+        tokenizer=json_str(info.get("model_id")) or "",
+        engine_version=(json_str(props.get("build_info")) or json_str(info.get("version")) or json_str(version.get("version"))
                         or ""),
         # llama-server says whether it has a template; the others serve chat when the model has one
         has_chat_template=bool(props.get("chat_template")) if is_llama else True,
@@ -555,20 +562,6 @@ def _not_an_openai_server(url: str) -> EngineError:
 
 def _mapping(value: Any) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
-
-
-def _str(value: Any) -> str | None:
-    return value if isinstance(value, str) and value else None
-
-
-def _int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
 
 
 def _numbers(value: Mapping[str, Any] | None) -> dict[str, float] | None:

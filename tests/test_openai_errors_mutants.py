@@ -20,6 +20,8 @@ from bench_client.openai_errors import (
     code_for_status,
     from_error_frame,
     from_http_response,
+    json_int,
+    json_str,
     malformed_event,
     read_error_body,
     retry_after,
@@ -73,12 +75,14 @@ def test_a_message_that_is_not_a_string() -> None:
 def test_type_and_code_are_kept_only_when_they_are_what_they_should_be() -> None:
     assert read_error_body({"error": {"message": "m", "type": ""}}).type is None
     assert read_error_body({"error": {"message": "m", "type": 5}}).type is None
-    for code, expected in ((400, 400), ("400", 400), (True, None), ("abc", None), ("4.5", None), (None, None),
-                           ("²", None), ("①", None)):  # str.isdigit is true for these, and int() refuses them
+    for code, expected in ((400, 400), ("400", 400), (400.0, 400), (400.5, None), (True, None), ("abc", None),
+                           ("4.5", None), (None, None), ("²", None), ("①", None)):  # str.isdigit is true for these, and int() refuses them
         assert read_error_body({"error": {"message": "m", "code": code}}).code == expected, code
     # so an odd code in an error frame still gives a StreamError, never a ValueError
     odd = from_error_frame({"error": {"message": "m", "code": "²"}})
     assert type(odd) is StreamError and odd.http_status is None and odd.metadata == {}
+    assert json_int(7.0) == 7 and type(json_int(7.0)) is int and json_int(False) is None
+    assert (json_str("x"), json_str(""), json_str(3)) == ("x", None, None)
 
 
 def test_messages_are_cut_at_500_characters() -> None:
