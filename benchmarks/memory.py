@@ -27,7 +27,7 @@ from bench_client.prompts import make_prompt
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 from engine_service.config import DEFAULT_PREFIX_CACHE_TOKENS
-from engine_service.model.llama import KVCache
+from engine_service.model.kv_cache import KVCache
 from engine_service.model.presets import PRESETS
 from tools.local_engine import EngineProcess
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 from engine_service.config import QUANTIZE_METHODS
-from engine_service.model.llama import KVCache
+from engine_service.model.kv_cache import KVCache
 from engine_service.model.loader import load_model
 from engine_service.model.quantize import quantize_model
 from tools.local_engine import EngineProcess
@@ -98,7 +98,7 @@ async def engine_run(address: str, concurrency: int, requests: int) -> Result:
 
 def raw_loop(model, batch: int, dtype: torch.dtype, repeats: int) -> Result:  # type: ignore[no-untyped-def]
     """The engine's own model with nothing around it: one batched prefill, then 64 decode steps
-    (set up as the engine sets it up: `setup_rope`, then any quantization, before this)."""
+    (set up as the engine sets it up: `pack_projections`, `setup_rope`, then any quantization, before this)."""
     cache = KVCache(model.config, batch, PROMPT + NEW, dtype, torch.device("cpu"))
     tokens = torch.tensor(prompts(batch), dtype=torch.long)
     lengths = torch.full((batch,), PROMPT, dtype=torch.long)
@@ -178,9 +178,10 @@ def main() -> None:
     torch.manual_seed(0)
     loaded = load_model(args.model, torch.device("cpu"), dtype)
     model = loaded.model
+    model.pack_projections()
     model.setup_rope(PROMPT + NEW, torch.device("cpu"))
     if args.quantize != "none":
-        quantize_model(model, args.quantize)
+        quantize_model(model.projections(), args.quantize)
     per_conc = {1: 4 if args.quick else 8, 8: 16 if args.quick else 32, 32: 32 if args.quick else 96}
     repeats = 2 if args.quick else 3
     print(f"# {args.model}, {args.dtype}, quantize {args.quantize}, prompt {PROMPT}, {NEW} new tokens, greedy, "
@@ -207,7 +208,7 @@ def main() -> None:
             if method == args.quantize:
                 quantized[method] = (raw[1], eng[1])
                 continue
-            quantize_model(model, method)
+            quantize_model(model.projections(), method)
             q_raw = raw_loop(model, 1, dtype, repeats)
             print(f"raw loop  {method} batch 1: {q_raw.tokens_per_s:8.1f} tok/s  step {q_raw.tpot_median * 1e3:7.2f} ms")
             quantized[method] = (q_raw, engine_figures(args.model, args.dtype, method, {1: per_conc[1]})[1])

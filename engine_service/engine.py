@@ -2,7 +2,7 @@
 
 Bridges the event loop and the decode loop thread: the loop thread hands each step's emissions
 over with one `call_soon_threadsafe`; each request's TokenStream coalesces the tokens that
-arrived since its reader last looked into one chunk.
+arrived since its reader last looked into one StreamUpdate.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ class EngineInfo:
 
 
 @dataclass
-class Chunk:
-    """Tokens since the reader last looked; `finish` or `error` on the last chunk."""
+class StreamUpdate:
+    """Tokens since the reader last looked; `finish` or `error` on the last update."""
 
     tokens: list[int]
     finish: FinishReason | None = None
@@ -93,14 +93,14 @@ class TokenStream:
             self._error, self._done = error, True
             self._offer()
 
-    async def next(self) -> Chunk:
+    async def next(self) -> StreamUpdate:
         await self._ready.wait()
         self._ready.clear()
         tokens, self._pending = self._pending, []
         self._sent_first = self._sent_first or bool(tokens)
         if self._done:
-            return Chunk(tokens, self._finish, self._error)
-        return Chunk(tokens)
+            return StreamUpdate(tokens, self._finish, self._error)
+        return StreamUpdate(tokens)
 
 
 @dataclass(eq=False)

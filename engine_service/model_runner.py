@@ -11,7 +11,8 @@ from functools import partial
 import structlog
 import torch
 
-from engine_service.model.llama import KVCache, LlamaForCausalLM
+from engine_service.model.kv_cache import KVCache
+from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.quantize import quantize_model
 from engine_service.model.traced_decode import TracedDecode
 from engine_service.scheduler import Prefill
@@ -26,9 +27,10 @@ class ModelRunner:
         self.model = model
         self.device = device
         self.cache = KVCache(model.config, max_batch, max_context, dtype, device)
+        model.pack_projections()
         model.setup_rope(max_context, device)
         if quantize != "none":
-            quantize_model(model, quantize)
+            quantize_model(model.projections(), quantize)
         self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = partial(model.decode, cache=self.cache)
         if trace_decode:
             try:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_service.config import BLOCK_TOKENS
-from engine_service.model.llama import KVCache
+from engine_service.model.kv_cache import KVCache
 
 _ROOT = 0  # the parent id of a prompt's first block
 

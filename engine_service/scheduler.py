@@ -2,7 +2,7 @@
 cancellation.
 
 The event loop thread calls `submit` and `wake`; the decode loop thread calls everything else.
-Running sequences are kept packed in KV cache rows 0..n-1 (see KVCache): rows 0..decoding-1
+Running sequences are kept packed in KV cache rows 0..n-1 (see kv_cache.py): rows 0..decoding-1
 decode one token a step (the traced decode reads them as one batch), and the rows after them are
 still prefilling their prompts. Each step, prompts are prefilled in chunks within the per-step
 prefill token budget, oldest admission first, so a long prompt takes several steps and the
@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine_service.model.llama import Chunk
+from engine_service.model.kv_cache import PromptChunk
 from engine_service.prefix_cache import PrefixCacheStats
 from engine_service.sequence import Sequence
 from shared.errors import QueueFull
@@ -36,7 +36,7 @@ class Prefill:
     """One step's chunk of a sequence's prompt."""
 
     seq: Sequence
-    chunk: Chunk
+    chunk: PromptChunk
 
     @property
     def completes(self) -> bool:
@@ -143,7 +143,7 @@ class Scheduler:
             if seq.timings.prefill_started is None:
                 start(seq, row)
             length = min(len(seq.request.prompt_ids) - seq.cache_len, budget)
-            plans.append(Prefill(seq, Chunk(row, seq.cache_len, length)))
+            plans.append(Prefill(seq, PromptChunk(row, seq.cache_len, length)))
             budget -= length
         return plans
 

@@ -17,7 +17,8 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from engine_service.model.llama import KVCache, LlamaForCausalLM
+from engine_service.model.kv_cache import KVCache
+from engine_service.model.llama import LlamaForCausalLM
 
 ARCHS = ("llama", "mistral", "qwen2")
 _CONFIGS = {
@@ -128,6 +129,7 @@ def engine_greedy(model: LlamaForCausalLM, prompts: list[list[int]], max_new_tok
     """Greedy decoding of all `prompts` as one batch through our prefill + decode, EOS ignored."""
     dtype = model.model.embed_tokens.weight.dtype
     context = max(len(p) for p in prompts) + max_new_tokens
+    model.pack_projections()
     model.setup_rope(context, device)
     cache = KVCache(model.config, len(prompts), context, dtype, device)
     tokens, lengths = pad_batch(prompts, device)

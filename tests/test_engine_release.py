@@ -73,11 +73,11 @@ async def test_release_after_the_end_cancels_nothing(engine: Engine) -> None:
     handle = engine.submit(request("short", max_new=5))
     tokens: list[int] = []
     while True:
-        chunk = await handle.stream.next()
-        tokens.extend(chunk.tokens)
-        if chunk.finish is not None or chunk.error is not None:
+        update = await handle.stream.next()
+        tokens.extend(update.tokens)
+        if update.finish is not None or update.error is not None:
             break
-    assert len(tokens) == 5 and chunk.finish is not None
+    assert len(tokens) == 5 and update.finish is not None
     assert not await engine.wait_idle(0)  # the handle is live until released
     engine.release(handle)
     assert not handle.seq.cancelled

@@ -59,8 +59,9 @@ def smollm2_hf():  # type: ignore[no-untyped-def]
 
 def _logits(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:
     model = loaded.model
+    model.pack_projections()
     model.setup_rope(len(prompt) + 1, CPU)
-    from engine_service.model.llama import KVCache
+    from engine_service.model.kv_cache import KVCache
 
     cache = KVCache(loaded.config, 1, len(prompt) + 1, torch.float32, CPU)
     return model.prefill(torch.tensor([prompt]), torch.tensor([len(prompt)]), cache, 0, all_logits=True)[0]

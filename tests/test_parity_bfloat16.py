@@ -25,7 +25,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_service.model.llama import KVCache, LlamaForCausalLM
+from engine_service.model.kv_cache import KVCache
+from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.loader import load_model
 from tests.checkpoints import PROMPTS, engine_greedy, hf_greedy, hf_model, make_checkpoint, pad_batch
 
@@ -41,6 +42,7 @@ NEAR_TIE = 2.0
 def _forced_decode(model: LlamaForCausalLM, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
     """Our argmax at each step while feeding `continuations` through prefill + decode as one batch."""
     context = max(len(p) for p in prompts) + NEW_TOKENS
+    model.pack_projections()
     model.setup_rope(context, CPU)
     cache = KVCache(model.config, len(prompts), context, model.model.embed_tokens.weight.dtype, CPU)
     tokens, lengths = pad_batch(prompts, CPU)
@@ -64,6 +66,7 @@ def test_bfloat16_agrees_with_transformers_bfloat16(tmp_path, arch: str, tied: b
     # 1. teacher-forced logits against the float32 reference
     sequences = [p + hf_greedy(ref32, p, NEW_TOKENS) for p in prompts]
     context = max(len(s) for s in sequences)
+    ours.model.pack_projections()
     ours.model.setup_rope(context, CPU)
     cache = KVCache(ours.config, len(sequences), context, torch.bfloat16, CPU)
     tokens, lengths = pad_batch(sequences, CPU)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_service.model.llama import KVCache
+from engine_service.model.kv_cache import KVCache
 from engine_service.model.loader import LoadedModel, load_model
 from tests.checkpoints import (
     ARCHS,
@@ -50,6 +50,7 @@ def test_logits_match_transformers(pair) -> None:  # type: ignore[no-untyped-def
     loaded, reference = pair
     prompts = _prompts(loaded)
     context = max(len(p) for p in prompts)
+    loaded.model.pack_projections()
     loaded.model.setup_rope(context, CPU)
     cache = KVCache(loaded.config, len(prompts), context, torch.float32, CPU)
     tokens, lengths = pad_batch(prompts, CPU)

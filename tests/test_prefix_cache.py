@@ -19,7 +19,7 @@ from engine.v1 import engine_pb2 as pb
 from engine_service.config import BLOCK_TOKENS, EngineConfig
 from engine_service.faults import FaultInjector, FaultPlan
 from engine_service.loop import DecodeLoop, Emission
-from engine_service.model.llama import KVCache
+from engine_service.model.kv_cache import KVCache
 from engine_service.model.loader import load_model
 from engine_service.model_runner import ModelRunner
 from engine_service.prefix_cache import PrefixCache

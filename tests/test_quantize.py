@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 from engine_service.config import EngineConfig
-from engine_service.model.llama import KVCache
+from engine_service.model.kv_cache import KVCache
 from engine_service.model.loader import load_model
 from engine_service.model.quantize import quantize_int4, quantize_int8, quantize_model
 from tests.checkpoints import engine_greedy
@@ -37,6 +37,7 @@ AGREEMENT = {"int8": (0.9, 3.0), "int4": (0.93, 2.0)}  # method -> (top-1 at lea
 def smollm2():  # type: ignore[no-untyped-def]
     loaded = load_model("smollm2", CPU, torch.bfloat16)
     ids = loaded.tokenizer.encode(TEXT)
+    loaded.model.pack_projections()
     loaded.model.setup_rope(len(ids), CPU)
     return loaded, ids
 
@@ -61,8 +62,9 @@ def test_int8_rows_are_within_half_a_step_of_the_weights() -> None:
 def test_small_calls_take_the_int8_path_and_large_ones_the_original_weights() -> None:
     loaded = load_model("tiny", CPU, torch.float32)
     model = loaded.model
+    model.pack_projections()
     model.setup_rope(32, CPU)
-    quantize_model(model, "int8", max_rows=4)
+    quantize_model(model.projections(), "int8", max_rows=4)
     packed = model.model.layers[0].mlp.gate_up
     assert packed.quantized is not None
     x = torch.randn(1, 4, packed.weight.shape[1])  # 4 rows: int8
@@ -77,7 +79,7 @@ def test_small_calls_take_the_int8_path_and_large_ones_the_original_weights() ->
 def test_quantized_logits_agree_with_the_unquantized_model_on_english_text(smollm2, method: str) -> None:  # type: ignore[no-untyped-def]
     loaded, ids = smollm2
     reference = _text_logits(loaded.model, ids)
-    quantize_model(loaded.model, method, max_rows=len(ids))  # every row quantized, to score the whole text at once
+    quantize_model(loaded.model.projections(), method, max_rows=len(ids))  # every row quantized, to score the whole text at once
     try:
         quantized = _text_logits(loaded.model, ids)
     finally:
@@ -121,9 +123,10 @@ def test_an_engine_serves_the_quantized_models_greedy_tokens() -> None:
     expected = {}
     for method in ("none", "int8", "int4"):
         model = load_model("tiny", CPU, torch.bfloat16).model
+        model.pack_projections()
         model.setup_rope(64, CPU)
         if method != "none":
-            quantize_model(model, method)
+            quantize_model(model.projections(), method)
         expected[method] = engine_greedy(model, [prompt], 24, CPU)[0]
     assert expected["int8"] != expected["none"]
     for method, tokens in expected.items():

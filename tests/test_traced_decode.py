@@ -9,7 +9,7 @@ import structlog
 import torch
 
 from engine_service import model_runner
-from engine_service.model.llama import KVCache
+from engine_service.model.kv_cache import KVCache
 from engine_service.model.loader import load_model
 from engine_service.model.quantize import quantize_model
 from engine_service.model.traced_decode import TracedDecode
@@ -26,9 +26,10 @@ MAX_BATCH, CONTEXT, STEPS = 8, 96, 12
 ])
 def test_traced_steps_equal_eager_steps(dtype: torch.dtype, method: str, regimes: int) -> None:
     model = load_model("tiny", CPU, dtype).model
+    model.pack_projections()
     model.setup_rope(CONTEXT, CPU)
     if method != "none":
-        quantize_model(model, method)
+        quantize_model(model.projections(), method)
     cache = KVCache(model.config, MAX_BATCH, CONTEXT, dtype, CPU)
     traced = TracedDecode(model, cache, MAX_BATCH)
     assert traced.regimes == regimes

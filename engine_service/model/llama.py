@@ -1,5 +1,5 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2): RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU, and a static KV cache.
+attention, SwiGLU, over the static KV cache of `kv_cache.py`.
 
 Module names equal Hugging Face's, so a checkpoint's state dict loads through the one mapping in
 `checkpoint.py`. Shapes in comments: B batch rows, T tokens, H heads, KV key/value heads,
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine_service.model.config import ModelConfig
-from engine_service.model.quantize import Int4Weight, Int8Weight
+from engine_service.model.kv_cache import KVCache, PromptChunk, chunk_mask, decode_mask
+from engine_service.model.quantize import QuantizedWeight
 
 
 class RMSNorm(nn.Module):
@@ -78,7 +78,7 @@ class Packed(nn.Module):
         self._parts = parts  # a plain tuple: not registered twice as submodules
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
-        self.quantized: Int8Weight | Int4Weight | None = None
+        self.quantized: QuantizedWeight | None = None
 
     def pack(self) -> None:
         parts = self._parts
@@ -103,63 +103,6 @@ class Packed(nn.Module):
             out = q.matmul(x)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
-
-
-def decode_mask(positions: torch.Tensor) -> torch.Tensor:
-    """(B, 1, 1, L) with True where row b attends: keys 0..positions[b], L = the longest (a host sync)."""
-    length = int(positions.max()) + 1
-    span = torch.arange(length, device=positions.device)
-    return (span[None, :] <= positions[:, None]).view(positions.shape[0], 1, 1, length)
-
-
-class Chunk(NamedTuple):
-    """A run of one cache row's tokens at positions start..start+length-1; the row's positions
-    before `start` are already in the cache (an earlier chunk, or a reused prefix)."""
-
-    row: int
-    start: int
-    length: int
-
-
-def chunk_mask(chunk: Chunk, device: torch.device) -> torch.Tensor:
-    """(T, start + T) with True where the chunk's token i attends: every cached position, and
-    itself and the chunk's earlier tokens."""
-    keys = torch.arange(chunk.start + chunk.length, device=device)
-    queries = torch.arange(chunk.start, chunk.start + chunk.length, device=device)
-    return keys[None, :] <= queries[:, None]
-
-
-class KVCache(nn.Module):
-    """Keys and values of every layer for `max_batch` rows of `max_context` tokens, allocated once.
-
-    Running sequences occupy rows 0..n-1 (the scheduler keeps them packed), so attention reads
-    views of the cache and never gathers.
-    """
-
-    def __init__(self, config: ModelConfig, max_batch: int, max_context: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__()
-        shape = (config.num_hidden_layers, max_batch, config.num_key_value_heads, max_context, config.dim_per_head)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.max_batch = max_batch
-        self.max_context = max_context
-
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` positions of row `src` into row `dst` (all layers)."""
-        self.k[:, dst, :, :length].copy_(self.k[:, src, :, :length])
-        self.v[:, dst, :, :length].copy_(self.v[:, src, :, :length])
-
-    def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
-        """Exchange rows `a` and `b` (their first `length_a` and `length_b` positions)."""
-        for t in (self.k, self.v):
-            kept = t[:, a, :, :length_a].clone()
-            t[:, a, :, :length_b].copy_(t[:, b, :, :length_b])
-            t[:, b, :, :length_a].copy_(kept)
-
-    def bytes_per_token(self) -> int:
-        layers, _, heads, _, dim = self.k.shape
-        return 2 * layers * heads * dim * self.k.element_size()
 
 
 class Attention(nn.Module):
@@ -189,7 +132,7 @@ class Attention(nn.Module):
         return q, k, qkv[:, :, h + kv:].transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
-                positions: torch.Tensor, mask: torch.Tensor | None, chunks: Sequence[Chunk],
+                positions: torch.Tensor, mask: torch.Tensor | None, chunks: Sequence[PromptChunk],
                 masks: Sequence[torch.Tensor], cache: KVCache) -> torch.Tensor:
         """x (1, M, hidden): first one token for each of rows 0..d-1 (`rows`), at `positions` (d,),
         attending as `mask` (d, 1, 1, L) says; then the chunks' tokens, one chunk after another. The
@@ -255,7 +198,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder with its LM head. Call `setup_rope` once after the weights are in place."""
+    """The decoder with its LM head. Once the weights are in place, call `pack_projections` (and
+    again after loading others), then `setup_rope` for the context to serve."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -266,10 +210,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head = Packed(self.lm_head)
 
+    def pack_projections(self) -> None:
+        """Pack the q/k/v and gate/up projections (`Packed`); call once the weights are in place (and
+        again after loading others), before a step and before any quantization."""
+        for packed in self.projections():
+            packed.pack()
+
     def setup_rope(self, max_positions: int, device: torch.device) -> None:
-        """Call once the weights are in place (and again after loading others): packs the q/k/v and
-        gate/up projections (`Packed`) and precomputes the rotary cos/sin tables (float32, as
-        Hugging Face computes them) for every position.
+        """Precompute the rotary cos/sin tables (float32, as Hugging Face computes them, then in the
+        model's dtype) for every position below `max_positions`; again for another context.
 
         Attention here is over the full context, which equals sliding-window attention only while
         the context fits in the window, so a larger `max_positions` is refused."""
@@ -287,11 +236,9 @@ class LlamaForCausalLM(nn.Module):
         sin = emb.sin().to(dtype)
         half = sin.shape[-1] // 2
         self.rope_signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # see apply_rope
-        for packed in self.projections():
-            packed.pack()
 
     def projections(self) -> list[Packed]:
-        """Every matmul of a step, in order (quantize.py quantizes these)."""
+        """Every matmul of a step, in order, the LM head last (quantize_model quantizes these)."""
         out: list[Packed] = []
         for layer in self.model.layers:
             out += [layer.self_attn.qkv, layer.self_attn.out, layer.mlp.gate_up, layer.mlp.down]
@@ -322,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
         b, t = tokens.shape
         lens = [int(n) for n in lengths.tolist()]
         flat = torch.cat([tokens[i, :n] for i, n in enumerate(lens)])
-        chunks = [Chunk(first_row + i, 0, n) for i, n in enumerate(lens)]
+        chunks = [PromptChunk(first_row + i, 0, n) for i, n in enumerate(lens)]
         none = flat[:0]
         if not all_logits:
             return self.step(none, none, flat, chunks, cache, logits_of=range(b))
@@ -336,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def step(self, decode_tokens: torch.Tensor, decode_positions: torch.Tensor, chunk_tokens: torch.Tensor,
-             chunks: Sequence[Chunk], cache: KVCache, logits_of: Sequence[int] | None = None) -> torch.Tensor:
+             chunks: Sequence[PromptChunk], cache: KVCache, logits_of: Sequence[int] | None = None) -> torch.Tensor:
         """One step of continuous batching as one pass over the weights: rows 0..d-1 decode one
         token each (`decode_tokens` at `decode_positions`, both (d,)), and `chunks` of prompts
         prefill, their tokens one after another in `chunk_tokens` (N,), nothing padded. A chunk's
@@ -368,7 +315,7 @@ class LlamaForCausalLM(nn.Module):
         return self._logits(self._forward(tokens, positions, rows, mask, (), cache))
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None,
-                 chunks: Sequence[Chunk], cache: KVCache) -> torch.Tensor:
+                 chunks: Sequence[PromptChunk], cache: KVCache) -> torch.Tensor:
         """The layers over M tokens (see `Attention.forward`); returns the final hidden states (M, hidden)."""
         m = tokens.shape[0]
         cos = self.rope_cos[positions].view(1, m, 1, -1)  # (B=1, T=M, 1, D)

@@ -24,13 +24,11 @@ Accuracy against the unquantized model: tests/test_quantize.py and README.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from engine_service.model.llama import LlamaForCausalLM
 
 MAX_ROWS = {"int8": 4, "int4": 8}  # rows up to which the quantized kernel is faster (above)
 INT4_GROUP = 32
@@ -60,6 +58,17 @@ class Int4Weight:
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
+QuantizedWeight = Int8Weight | Int4Weight
+
+
+class Projection(Protocol):
+    """What quantization needs of a projection (llama.Packed): its packed (N, K) weight, and the
+    slot whose copy serves its calls of at most `max_rows` rows."""
+
+    weight: torch.Tensor | None
+    quantized: QuantizedWeight | None
+
+
 def quantize_int8(weight: torch.Tensor, max_rows: int = MAX_ROWS["int8"]) -> Int8Weight:
     """Per-output-channel symmetric int8 of a (N, K) weight; an all-zero row gets scale 1."""
     w = weight.detach().float()
@@ -85,13 +94,14 @@ def quantize_int4(weight: torch.Tensor, max_rows: int = MAX_ROWS["int4"]) -> Int
     return Int4Weight(packed, scales_and_zeros, max_rows)
 
 
-def quantize_model(model: LlamaForCausalLM, method: str, max_rows: int | None = None) -> None:
-    """Give every projection of `model` (packed: call after `setup_rope`) its quantized copy. With
-    int4 the LM head gets int8: embeddings are often kept at 8 bits (the packaged SmolLM2's are
-    Q8_0, and 4 bits there moved top-1 on 13% of positions of a text against 3% for int8)."""
+def quantize_model(projections: Sequence[Projection], method: str, max_rows: int | None = None) -> None:
+    """Give every projection of a model, the LM head last (`LlamaForCausalLM.projections()`, packed:
+    call after `pack_projections`), its quantized copy. With int4 the LM head gets int8: embeddings
+    are often kept at 8 bits (the packaged SmolLM2's are Q8_0, and 4 bits there moved top-1 on 13%
+    of positions of a text against 3% for int8)."""
     if method not in MAX_ROWS:
         raise ValueError(f"quantize method must be int8 or int4, got {method!r}")
-    *layers, head = model.projections()
+    *layers, head = projections
     layer_quantizer = quantize_int4 if method == "int4" else quantize_int8
     with torch.no_grad():
         for packed in layers:

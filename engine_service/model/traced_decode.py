@@ -18,7 +18,8 @@ import warnings
 import structlog
 import torch
 
-from engine_service.model.llama import KVCache, LlamaForCausalLM, decode_mask
+from engine_service.model.kv_cache import KVCache, decode_mask
+from engine_service.model.llama import LlamaForCausalLM
 
 log = structlog.get_logger()
 

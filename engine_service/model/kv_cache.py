@@ -1,0 +1,75 @@
+"""The static KV cache, the prompt chunks written into it, and the attention masks over it.
+
+`KVCache` holds keys and values as (layers, rows, KV heads, positions, D), allocated once for
+`max_batch` rows of `max_context` positions. A row is one running sequence: position p of the row
+holds the keys and values of the sequence's token p. The rows are kept packed (the scheduler owns
+the rule: a sequence's row is its index in `Scheduler.running`): rows 0..d-1 are the decoding
+sequences, read as one batch by a decode step (`decode_mask`, one key range per row), and the rows
+after them are still prefilling their prompts, a `PromptChunk` a step, each chunk attending over
+its own row (`chunk_mask`). So attention reads views of the cache and never gathers; when a
+sequence leaves or starts decoding, the scheduler keeps the packing with `move_row` and
+`swap_rows`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from engine_service.model.config import ModelConfig
+
+
+class KVCache(nn.Module):
+    """Keys and values of every layer for `max_batch` rows of `max_context` tokens, allocated once
+    (the row layout: the module docstring)."""
+
+    def __init__(self, config: ModelConfig, max_batch: int, max_context: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        shape = (config.num_hidden_layers, max_batch, config.num_key_value_heads, max_context, config.dim_per_head)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.max_batch = max_batch
+        self.max_context = max_context
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` positions of row `src` into row `dst` (all layers)."""
+        self.k[:, dst, :, :length].copy_(self.k[:, src, :, :length])
+        self.v[:, dst, :, :length].copy_(self.v[:, src, :, :length])
+
+    def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        """Exchange rows `a` and `b` (their first `length_a` and `length_b` positions)."""
+        for t in (self.k, self.v):
+            kept = t[:, a, :, :length_a].clone()
+            t[:, a, :, :length_b].copy_(t[:, b, :, :length_b])
+            t[:, b, :, :length_a].copy_(kept)
+
+    def bytes_per_token(self) -> int:
+        layers, _, heads, _, dim = self.k.shape
+        return 2 * layers * heads * dim * self.k.element_size()
+
+
+class PromptChunk(NamedTuple):
+    """A run of one cache row's prompt tokens at positions start..start+length-1; the row's
+    positions before `start` are already in the cache (an earlier chunk, or a reused prefix)."""
+
+    row: int
+    start: int
+    length: int
+
+
+def decode_mask(positions: torch.Tensor) -> torch.Tensor:
+    """(B, 1, 1, L) with True where row b attends: keys 0..positions[b], L = the longest (a host sync)."""
+    length = int(positions.max()) + 1
+    span = torch.arange(length, device=positions.device)
+    return (span[None, :] <= positions[:, None]).view(positions.shape[0], 1, 1, length)
+
+
+def chunk_mask(chunk: PromptChunk, device: torch.device) -> torch.Tensor:
+    """(T, start + T) with True where the chunk's token i attends: every cached position, and
+    itself and the chunk's earlier tokens."""
+    keys = torch.arange(chunk.start + chunk.length, device=device)
+    queries = torch.arange(chunk.start, chunk.start + chunk.length, device=device)
+    return keys[None, :] <= queries[:, None]
