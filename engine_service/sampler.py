@@ -27,7 +27,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     return tokens.tolist()
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+def warped_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from: one row of logits (V,), float32, after
+    temperature, top-k and top-p. Speculative verification (engine_service/speculative.py)
+    accepts and resamples against exactly this distribution."""
     # Shift by the max before scaling: the same distribution, but a tiny (even subnormal)
     # temperature cannot overflow to inf and turn softmax into NaN (it just becomes greedy).
     logits = (logits - logits.max()) / p.temperature
@@ -39,5 +42,8 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         probs = torch.softmax(sorted_logits, dim=-1)
         beyond = probs.cumsum(-1) - probs >= p.top_p  # keep the smallest prefix reaching top_p (as HF does)
         logits = logits.scatter(0, order, sorted_logits.masked_fill(beyond, float("-inf")))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[0]
+    return torch.softmax(logits, dim=-1)
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    return torch.multinomial(warped_probs(logits, p), 1, generator=generator)[0]
