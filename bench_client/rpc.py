@@ -81,6 +81,8 @@ class EngineClient:
             queue_capacity=info.queue_capacity, vocab_size=info.vocab_size, eos_token_id=info.eos_token_id,
             bos_token_id=info.bos_token_id, device=info.device, dtype=info.dtype, tokenizer=info.tokenizer,
             engine_version=info.engine_version, has_chat_template=info.has_chat_template,
+            quantization=info.quantization, cpu_capability=info.cpu_capability,
+            precision_reason=info.precision_reason,
         )
 
     async def load(self, timeout: float = 10.0) -> LoadSnapshot:

@@ -38,6 +38,9 @@ class ServerInfo:
     tokenizer: str
     engine_version: str
     has_chat_template: bool = False
+    quantization: str = ""  # engine.v1: none, int8 or int4; "" where the server does not say
+    cpu_capability: str = ""  # engine.v1: torch's capability, the CPU flags and model name
+    precision_reason: str = ""  # engine.v1: why dtype and quantization are what they are
     api: str = ENGINE_V1
     reported: Mapping[str, Any] = field(default_factory=dict)
 

@@ -10,10 +10,9 @@ from pathlib import Path
 
 from engine_service.config import (
     BLOCK_TOKENS,
-    DEFAULT_PREFILL_TOKENS,
     DEFAULT_PREFIX_CACHE_TOKENS,
-    DTYPES,
-    QUANTIZE_METHODS,
+    DTYPE_CHOICES,
+    QUANTIZE_CHOICES,
     EngineConfig,
     ServerConfig,
 )
@@ -35,13 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "or qwen2; F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) or a Hugging Face checkpoint "
                         "directory (config.json, *.safetensors, tokenizer.json)")
     m.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    m.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
+    m.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weights, activations and KV cache dtype; auto: bfloat16 on CUDA and on CPUs with native "
+                        "bfloat16 (avx512_bf16, AMX), float32 on others (bfloat16 is emulated there); see README")
     m.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    m.add_argument("--quantize", default="none", choices=QUANTIZE_METHODS,
+    m.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES,
                    help="weight-only copies of the projections that serve decode steps of few rows (faster "
-                        "small-batch decode on a CPU; --dtype bfloat16 only): int8 per channel, up to 4 rows, +50%% of "
-                        "a bfloat16 model's weights; int4 in groups of 32 (Q4_1's layout: near-lossless on a Q4_1 "
-                        "model such as smollm2), up to 8 rows, +25%%")
+                        "small-batch decode on a CPU): int8 per channel, +50%% of a bfloat16 model's weights; int4 in "
+                        "groups of 32 (Q4_1's layout: near-lossless on a Q4_1 model such as smollm2), +25%%; auto: a "
+                        "GGUF's own (Q4_0/Q4_1/Q4_K -> int4, Q8_0/Q5_K/Q6_K -> int8), none for other files and on "
+                        "CUDA; none: the weights dequantized into --dtype only")
     m.add_argument("--trace-decode", action=argparse.BooleanOptionalAction, default=True,
                    help="run the decode step as TorchScript traces made at start-up (the same operators without "
                         "Python's dispatch of each; a second or two to trace)")
@@ -52,10 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=4096, help="largest max_new_tokens a request may ask")
     s.add_argument("--queue-capacity", type=int, default=256,
                    help="waiting requests beyond the running batch; more get RESOURCE_EXHAUSTED/QUEUE_FULL")
-    s.add_argument("--max-prefill-tokens", type=int, default=DEFAULT_PREFILL_TOKENS,
+    s.add_argument("--max-prefill-tokens", type=_prefill_tokens, default="auto",
                    help="prompt tokens prefilled in one step, in chunks, beside the decoding rows: a smaller "
                         "budget keeps running streams' inter-token gaps short while a long prompt prefills, a "
-                        "larger one prefills faster (see README)")
+                        "larger one prefills faster; auto: as many as keep such a step within 3x a decode-only "
+                        "step, from the step times measured as the engine runs (see README)")
     s.add_argument("--prefix-cache-tokens", type=int, default=DEFAULT_PREFIX_CACHE_TOKENS,
                    help=f"tokens of computed prompt keys and values kept for reuse by prompts with the same "
                         f"prefix, in blocks of {BLOCK_TOKENS}; 0 turns the prefix cache off")
@@ -89,6 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _prefill_tokens(text: str) -> int | str:
+    """--max-prefill-tokens: "auto" or a positive integer."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be auto or a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be auto or a positive integer, got {value}")
+    return value
+
+
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     """Build the frozen configs; raises ValueError naming the flag and the value."""
     token = os.environ.get(TOKEN_ENV) or None
@@ -99,7 +115,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     engine = EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
         max_context=args.max_context, max_new_tokens_limit=args.max_new_tokens, queue_capacity=args.queue_capacity,
-        queue_retry_seconds=args.queue_retry_seconds, max_prefill_tokens=args.max_prefill_tokens,
+        queue_retry_seconds=args.queue_retry_seconds, max_prefill_tokens=None if args.max_prefill_tokens == "auto" else args.max_prefill_tokens,
         prefix_cache_tokens=args.prefix_cache_tokens,
         stream_interval=args.stream_interval,
         stall_seconds=args.stall_seconds,

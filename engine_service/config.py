@@ -7,13 +7,12 @@ from pathlib import Path
 
 from engine_service.faults import FaultPlan
 
-# Prompt tokens prefilled in a step that also decodes (with no row decoding, a step takes more:
-# scheduler.IDLE_PREFILL_TOKENS). On SmolLM2 bfloat16 with 2 cores, while 8 streams decode (33-35
+# Prompt tokens prefilled in a step that also decodes: by default (None) adapted to the step times
+# the decode loop measures (engine_service/prefill_budget.py), or a fixed count (--max-prefill-tokens N).
+# History of the fixed default, 96: on SmolLM2 bfloat16 with 2 cores, while 8 streams decode (33-35
 # ms a step) and a 2,000-token prompt arrives (benchmarks/chunked_prefill.py, one run): at 96 the
-# streams' largest gap is 3.7x their TPOT and the prompt's TTFT 1.50x its TTFT alone; at 128, 4.0x
-# and 1.52x; at 64, 2.8x and 1.95x; at 2048 (one piece) the gap is the whole prefill, 38x. Attention
-# makes a chunk late in a long prompt up to 1.7x as costly as the first.
-DEFAULT_PREFILL_TOKENS = 96
+# streams' largest gap was 3.7x their TPOT and the prompt's TTFT 1.50x its TTFT alone on a Xeon
+# with AMX, but 10.4x on an EPYC with AVX2 in float32: a token count does not travel.
 # 8,192 tokens of keys and values: 180 MiB for SmolLM2 in bfloat16 (22.5 KiB a token), 360 MiB in
 # float32; an eighth of the KV cache at the default batch and context, and room for eight
 # 1,000-token system prompts.
@@ -28,19 +27,19 @@ class EngineConfig:
 
     model: str = "smollm2"  # the packaged SmolLM2-135M-Instruct GGUF (engine_service.model.presets)
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: chosen from the CPU (engine_service/precision.py), or float32, bfloat16, float16
     max_batch: int = 32
     max_context: int = 2048
     max_new_tokens_limit: int = 4096
     queue_capacity: int = 256
     queue_retry_seconds: float = 0.5
-    max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS
+    max_prefill_tokens: int | None = None  # None: adapted to the measured step times (prefill_budget.py)
     prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS  # 0: off (engine_service/prefix_cache.py)
     stream_interval: int = 1
     stall_seconds: float = 30.0
     faults: FaultPlan = field(default_factory=FaultPlan)
     threads: int = 0
-    quantize: str = "none"  # none, int8 or int4 (engine_service/model/quantize.py)
+    quantize: str = "auto"  # auto: the file's own (precision.py), or none, int8, int4 (model/quantize.py)
     trace_decode: bool = True  # the decode step through TorchScript traces (engine_service/model/traced_decode.py)
 
     def __post_init__(self) -> None:
@@ -48,26 +47,29 @@ class EngineConfig:
         _positive("max_context", self.max_context)
         _positive("max_new_tokens_limit", self.max_new_tokens_limit)
         _positive("queue_capacity", self.queue_capacity)
-        _positive("max_prefill_tokens", self.max_prefill_tokens)
+        if self.max_prefill_tokens is not None:
+            _positive("max_prefill_tokens", self.max_prefill_tokens)
         _positive("stream_interval", self.stream_interval)
         if not isinstance(self.prefix_cache_tokens, int) or self.prefix_cache_tokens < 0 \
                 or self.prefix_cache_tokens % BLOCK_TOKENS:
             raise ValueError(f"prefix_cache_tokens must be 0 (off) or a multiple of the block size {BLOCK_TOKENS}, "
                              f"got {self.prefix_cache_tokens!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if self.queue_retry_seconds <= 0:
             raise ValueError(f"queue_retry_seconds must be > 0, got {self.queue_retry_seconds}")
         if self.stall_seconds <= 0:
             raise ValueError(f"stall_seconds must be > 0, got {self.stall_seconds}")
-        if self.quantize not in QUANTIZE_METHODS:
-            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_METHODS)}, got {self.quantize!r}")
-        if self.quantize != "none" and self.dtype != "bfloat16":
-            # torch's weight-only kernels are fast with bfloat16 activations only: with float32 ones,
-            # int8 and int4 took 3.6x and 7x as long as float32 weights on one SmolLM2 step
-            raise ValueError(f"quantize {self.quantize} needs dtype bfloat16, got {self.dtype!r}")
+        if self.quantize not in QUANTIZE_CHOICES:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {self.quantize!r}")
+        if self.quantize in ("int8", "int4") and self.dtype == "float16":
+            # the weight-only kernels take bfloat16 activations (float32 ones are cast to it)
+            raise ValueError(f"quantize {self.quantize} needs dtype bfloat16, float32 or auto, got 'float16'")
+        if self.quantize in ("int8", "int4") and self.device != "cpu":
+            raise ValueError(f"quantize {self.quantize} runs on the CPU only (torch's weight-only CPU kernels), "
+                             f"got device {self.device!r}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
 
@@ -102,7 +104,9 @@ class ServerConfig:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *DTYPES)
 QUANTIZE_METHODS = ("none", "int8", "int4")
+QUANTIZE_CHOICES = ("auto", *QUANTIZE_METHODS)
 
 
 def _positive(name: str, value: int) -> None:

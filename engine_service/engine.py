@@ -17,10 +17,13 @@ import structlog
 import torch
 
 from engine_service.config import EngineConfig
+from engine_service.cpu import detect
 from engine_service.faults import FaultInjector
 from engine_service.loop import DecodeLoop, Emission, set_threads
 from engine_service.model.loader import LoadedModel, load_model
 from engine_service.model_runner import ModelRunner
+from engine_service.precision import Precision, choose_dtype, choose_quantize
+from engine_service.prefill_budget import PrefillBudget
 from engine_service.prefix_cache import PrefixCache
 from engine_service.requests import Limits, Request
 from engine_service.scheduler import LoadSnapshot, Scheduler
@@ -46,6 +49,9 @@ class EngineInfo:
     dtype: str
     tokenizer: str
     has_chat_template: bool
+    quantization: str
+    cpu_capability: str
+    precision_reason: str
 
 
 @dataclass
@@ -136,7 +142,9 @@ class Engine:
         self._event_loop = asyncio.get_running_loop()
         cfg = self.config
         set_threads(cfg.threads)
-        device, dtype = torch.device(cfg.device), DTYPES[cfg.dtype]
+        cpu = detect()
+        dtype_name, dtype_reason = choose_dtype(cfg.dtype, cfg.device, cpu)
+        device, dtype = torch.device(cfg.device), DTYPES[dtype_name]
         # Loaded in a thread that ends afterwards, not in asyncio's executor, whose threads live on.
         # libgomp gives every thread that runs a parallel torch op an OpenMP team of its own, and
         # while it manages more threads than there are cores it all but stops spin-waiting: the
@@ -147,8 +155,10 @@ class Engine:
         loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load")
         try:
             loaded = await self._event_loop.run_in_executor(loader, load_model, cfg.model, device, dtype)
+            quantize, quantize_reason = choose_quantize(cfg.quantize, cfg.device, loaded.weight_format)
+            precision = Precision(dtype_name, quantize, f"{dtype_reason}; {quantize_reason}")
             runner = await self._event_loop.run_in_executor(
-                loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, cfg.quantize,
+                loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize,
                 cfg.trace_decode)
         finally:
             loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
@@ -159,21 +169,24 @@ class Engine:
             max_batch_size=cfg.max_batch, queue_capacity=cfg.queue_capacity, vocab_size=loaded.config.vocab_size,
             eos_token_id=loaded.config.eos_token_id if loaded.config.eos_token_id is not None
             else loaded.tokenizer.eos_token_id, bos_token_id=loaded.tokenizer.bos_token_id,
-            device=str(device), dtype=cfg.dtype, tokenizer=loaded.tokenizer.kind,
-            has_chat_template=loaded.chat_template is not None,
+            device=str(device), dtype=precision.dtype, tokenizer=loaded.tokenizer.kind,
+            has_chat_template=loaded.chat_template is not None, quantization=precision.quantize,
+            cpu_capability=cpu.describe() if device.type == "cpu" else str(device), precision_reason=precision.reason,
         )
+        budget = PrefillBudget(cfg.max_prefill_tokens, cfg.max_context)
         self._scheduler = Scheduler(cfg.max_batch, cfg.max_context, cfg.queue_capacity, cfg.queue_retry_seconds,
-                                    prefill_token_budget=cfg.max_prefill_tokens)
+                                    prefill_token_budget=budget.tokens(1))
         self._loop_thread = DecodeLoop(runner, self._scheduler, FaultInjector(cfg.faults),
                                        _end_tokens(loaded), self._deliver_threadsafe, self._fatal_threadsafe,
-                                       PrefixCache(cfg.prefix_cache_tokens))
+                                       PrefixCache(cfg.prefix_cache_tokens), budget)
         self._loop_thread.start()
         self._stall_watch = asyncio.create_task(self._watch_stalls(cfg.stall_seconds))
         self.ready.set()
-        log.info("engine_ready", model=loaded.name, device=str(device), dtype=cfg.dtype, quantize=cfg.quantize,
-                 trace_decode=cfg.trace_decode,
+        log.info("engine_ready", model=loaded.name, device=str(device), dtype=precision.dtype,
+                 quantize=precision.quantize, precision_reason=precision.reason, cpu=cpu.describe(),
+                 weight_format=loaded.weight_format, trace_decode=cfg.trace_decode,
                  kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
-                 max_prefill_tokens=cfg.max_prefill_tokens, prefix_cache_tokens=cfg.prefix_cache_tokens,
+                 max_prefill_tokens=cfg.max_prefill_tokens or "auto", prefix_cache_tokens=cfg.prefix_cache_tokens,
                  prefix_cache_bytes=runner.cache.bytes_per_token() * cfg.prefix_cache_tokens,
                  tokenizer=loaded.tokenizer.kind)
 

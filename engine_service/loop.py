@@ -20,6 +20,7 @@ import torch
 
 from engine_service.faults import FaultInjector
 from engine_service.model_runner import ModelRunner
+from engine_service.prefill_budget import PrefillBudget
 from engine_service.prefix_cache import PrefixCache
 from engine_service.sampler import new_generator, sample
 from engine_service.scheduler import Scheduler
@@ -49,8 +50,10 @@ Deliver = Callable[[list[Emission]], None]
 class DecodeLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, faults: FaultInjector, end_token_ids: frozenset[int],
                  deliver: Deliver, on_fatal: Callable[[BaseException], None],
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, prefill_budget: PrefillBudget | None = None) -> None:
         self.runner = runner
+        # fixed at the scheduler's own budget unless given one that adapts to the step times
+        self.prefill_budget = prefill_budget or PrefillBudget(scheduler.prefill_token_budget, scheduler.max_context)
         self.prefix_cache = prefix_cache or PrefixCache(0)
         self.scheduler = scheduler
         self.faults = faults
@@ -102,14 +105,17 @@ class DecodeLoop:
         self.steps += 1
         self.faults.before_forward(self.steps)
         decoding = sched.running[:sched.decoding]
+        sched.prefill_token_budget = self.prefill_budget.tokens(len(decoding))
         prefills = sched.plan_prefill(lambda seq, row: self._start(seq, row, now))
         # forward + sample: the decoding rows, then the prompts whose last chunk this is
+        started = time.perf_counter()
         logits = self.runner.forward(decoding, prefills)
         for p in prefills:
             p.seq.cache_len = p.chunk.start + p.chunk.length
             prefix.offer(p.seq.request.prompt_ids, cache, p.chunk.row, p.seq.cache_len)
         producing = decoding + [p.seq for p in prefills if p.completes]
         tokens = sample(logits, [s.request.sampling for s in producing], [s.generator for s in producing])
+        self.prefill_budget.observe(len(decoding), sum(p.chunk.length for p in prefills), time.perf_counter() - started)
         # emit: one sequence failing is that sequence's business alone
         emitted_at = time.monotonic()
         doomed = self.faults.doomed_rows(self.steps, [s.request_id for s in producing],

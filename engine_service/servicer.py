@@ -119,19 +119,19 @@ class EngineServicer:
         request_id = handle.seq.request_id
         detok = self.engine.loaded.tokenizer.stream_decoder()
         while True:
-            chunk = await handle.stream.next()
-            if chunk.tokens:
-                response = pb.DecodeResponse(request_id=request_id, token_ids=chunk.tokens, text=detok.step(chunk.tokens))
+            update = await handle.stream.next()
+            if update.tokens:
+                response = pb.DecodeResponse(request_id=request_id, token_ids=update.tokens, text=detok.step(update.tokens))
             else:
                 response = pb.DecodeResponse(request_id=request_id)
-            if chunk.error is not None:
-                if chunk.tokens:
+            if update.error is not None:
+                if update.tokens:
                     yield response
-                raise chunk.error
-            if chunk.finish is not None:
+                raise update.error
+            if update.finish is not None:
                 seq = handle.seq
                 t = seq.timings
-                response.finish_reason = FINISH_REASONS[chunk.finish]
+                response.finish_reason = FINISH_REASONS[update.finish]
                 response.usage.prompt_tokens = len(seq.request.prompt_ids)
                 response.usage.completion_tokens = len(seq.generated)
                 response.usage.cached_prompt_tokens = seq.cached_tokens
@@ -140,7 +140,7 @@ class EngineServicer:
                 response.timing.total_seconds = (t.last_token or t.accepted) - t.accepted
                 yield response
                 return
-            if chunk.tokens:
+            if update.tokens:
                 yield response
 
     async def get_server_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ServerInfo:
@@ -157,7 +157,8 @@ class EngineServicer:
             eos_token_id=info.eos_token_id if info.eos_token_id is not None else 0,
             bos_token_id=info.bos_token_id if info.bos_token_id is not None else 0,
             device=info.device, dtype=info.dtype, tokenizer=info.tokenizer, engine_version=__version__,
-            has_chat_template=info.has_chat_template,
+            has_chat_template=info.has_chat_template, quantization=info.quantization,
+            cpu_capability=info.cpu_capability, precision_reason=info.precision_reason,
         )
 
     async def get_load(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.Load:

@@ -11,6 +11,8 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine.v1 import engine_pb2 as pb
+from engine_service.cpu import detect
+from engine_service.precision import choose_dtype
 from shared.errors import DOMAIN, ContextLengthExceeded, InvalidField, from_rpc_error
 from tests.contract import decode, expect_error, tokens_of
 
@@ -123,8 +125,13 @@ def test_server_info_describes_limits(engine):
     info = engine.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
     assert (info.model, info.max_context_tokens, info.max_new_tokens_limit) == ("tiny", 256, 200)
     assert (info.max_batch_size, info.queue_capacity, info.vocab_size) == (8, 64, 258)
+    # --dtype auto and --quantize auto (the defaults): the CPU's choice, and random weights stay unquantized
+    cpu = detect()
     assert (info.eos_token_id, info.bos_token_id, info.device, info.dtype, info.tokenizer) == (
-        257, 256, "cpu", "float32", "byte")
+        257, 256, "cpu", "bfloat16" if cpu.native_bf16 else "float32", "byte")
+    assert (info.quantization, info.cpu_capability) == ("none", cpu.describe())
+    assert info.precision_reason == (f"{choose_dtype('auto', 'cpu', cpu)[1]}; quantize none: auto, the weights are "
+                                     "random")
 
 
 def test_response_stream_shape(engine):

@@ -132,7 +132,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "max_context_tokens", "max_new_tokens_limit", "max_batch_size", "queue_capacity", "vocab_size", "eos_token_id", "device", "dtype", "tokenizer", "engine_version", "bos_token_id", "has_chat_template")
+    __slots__ = ("model", "max_context_tokens", "max_new_tokens_limit", "max_batch_size", "queue_capacity", "vocab_size", "eos_token_id", "device", "dtype", "tokenizer", "engine_version", "bos_token_id", "has_chat_template", "quantization", "cpu_capability", "precision_reason")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,9 @@ class ServerInfo(_message.Message):
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    CPU_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_REASON_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_context_tokens: int
     max_new_tokens_limit: int
@@ -159,7 +162,10 @@ class ServerInfo(_message.Message):
     engine_version: str
     bos_token_id: int
     has_chat_template: bool
-    def __init__(self, model: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., queue_capacity: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tokenizer: _Optional[str] = ..., engine_version: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    quantization: str
+    cpu_capability: str
+    precision_reason: str
+    def __init__(self, model: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., queue_capacity: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tokenizer: _Optional[str] = ..., engine_version: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., quantization: _Optional[str] = ..., cpu_capability: _Optional[str] = ..., precision_reason: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

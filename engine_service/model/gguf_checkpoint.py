@@ -59,6 +59,17 @@ def unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+def weight_format(gguf: GGUFFile) -> str:
+    """The tensor type ("Q4_1", "F32", ...) that holds most of the layers' 2-D weights: what
+    `--quantize auto` serves (precision.py). A file of only 1-D tensors or no layers: "F32"."""
+    elements: dict[str, int] = {}
+    for name, tensor in gguf.tensors.items():
+        if name.startswith("blk.") and name.endswith(".weight") and len(tensor.shape) == 2:
+            kind = tensor.tensor_type.name
+            elements[kind] = elements.get(kind, 0) + tensor.n_elements
+    return max(sorted(elements), key=elements.__getitem__) if elements else "F32"
+
+
 def architecture_of(gguf: GGUFFile) -> str:
     architecture = gguf.require("general.architecture", str)
     if architecture not in ARCHITECTURES:

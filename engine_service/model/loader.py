@@ -14,7 +14,7 @@ from engine_service.model.byte_tokenizer import ByteTokenizer
 from engine_service.model.chat_template import ChatTemplate, load_chat_template
 from engine_service.model.checkpoint import load_checkpoint
 from engine_service.model.config import ModelConfig
-from engine_service.model.gguf_checkpoint import load_gguf_weights, parse_config
+from engine_service.model.gguf_checkpoint import load_gguf_weights, parse_config, weight_format
 from engine_service.model.gguf_reader import read_gguf
 from engine_service.model.gguf_tokenizer import build_gguf_tokenizer
 from engine_service.model.hf_tokenizer import HFTokenizer, load_tokenizer
@@ -46,6 +46,8 @@ class LoadedModel:
     model: LlamaForCausalLM
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None = None
+    # how the weights are stored: a GGUF's tensor type ("Q4_1"), "safetensors" or "random" (presets)
+    weight_format: str = "random"
 
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -55,7 +57,7 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedMod
     if spec in PACKAGED:
         loaded = load_gguf(PACKAGED[spec].locate(spec), device, dtype)
         return LoadedModel(name=spec, config=loaded.config, model=loaded.model, tokenizer=loaded.tokenizer,
-                           chat_template=loaded.chat_template)
+                           chat_template=loaded.chat_template, weight_format=loaded.weight_format)
     if spec.endswith(".gguf") or Path(spec).is_file():  # read_gguf names a file that is not a GGUF
         return load_gguf(Path(spec), device, dtype)
     if spec in PRESETS:
@@ -72,7 +74,7 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedMod
     tokenizer = load_tokenizer(path, config)
     chat_template = load_chat_template(path)
     return LoadedModel(name=config.name, config=config, model=model, tokenizer=tokenizer,
-                       chat_template=chat_template)
+                       chat_template=chat_template, weight_format="safetensors")
 
 
 def load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -93,7 +95,7 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMod
     model = load_gguf_weights(gguf, config, device, dtype)
     hf_tokenizer = HFTokenizer(tokenizer, config.vocab_size, config.bos_token_id, config.eos_token_id, kind="gguf")
     return LoadedModel(name=config.name, config=config, model=model, tokenizer=hf_tokenizer,
-                       chat_template=chat_template)
+                       chat_template=chat_template, weight_format=weight_format(gguf))
 
 
 # The special tokens a chat template may name, as transformers passes them for a GGUF tokenizer.

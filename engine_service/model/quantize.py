@@ -1,4 +1,5 @@
-"""Weight-only quantization for decode (`--quantize int8|int4`, off by default).
+"""Weight-only quantization for decode (`--quantize int8|int4`; `auto`, the default, serves a
+quantized GGUF's own: engine_service/precision.py).
 
 A batch-1 decode step reads every weight once and does little arithmetic with it, so on a CPU it is
 bound by memory and by the per-call cost of the matmul kernel, not by FLOPs; torch's bfloat16 kernel
@@ -15,7 +16,8 @@ CPU's matrix units win) with the original weights.
   are exactly such groups, so on a Q4_1 model (the packaged SmolLM2) the int4 copy recovers the
   file's own 4-bit values (in float32, the layers' int4 logits matched the unquantized ones on
   every top-1 and within 0.0005); in bfloat16 scale and offset are rounded. The LM head gets int8
-  (`quantize_model`). Only with bfloat16 activations are these kernels fast (EngineConfig).
+  (`quantize_model`). Only with bfloat16 activations are these kernels fast, so a float32 model's
+  calls are cast to bfloat16 and back (`kernel_dtype`), and its copy's scales are bfloat16.
 
 Measured over the 30 layers' matmuls of SmolLM2 in bfloat16 (ms for 1/4/8/16 rows): bfloat16
 32.0/30.9/26.1/31.1, int8 14.0/17.3/33.6/56.2, int4 7.7/9.8/22.7/42.7; hence the row limits.
@@ -41,9 +43,10 @@ class Int8Weight:
     max_rows: int
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., K) -> (..., N), in x's dtype."""
-        out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        """x (..., K) -> (..., N), in x's dtype (computed in the scales' dtype, see `KERNEL_DTYPE`)."""
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch._weight_int8pack_mm(flat.to(self.scales.dtype), self.weight, self.scales)
+        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,19 @@ class Int4Weight:
     max_rows: int
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.packed, INT4_GROUP,
-                                                self.scales_and_zeros)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        flat = x.reshape(-1, x.shape[-1]).to(self.scales_and_zeros.dtype)
+        out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scales_and_zeros)
+        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
 QuantizedWeight = Int8Weight | Int4Weight
+
+
+def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The activations' dtype the kernels compute in for a model in `dtype`: its own, except that
+    float32 activations are cast to bfloat16 and back (with float32 ones, int8 and int4 took 3.6x
+    and 7x as long as float32 weights on one SmolLM2 step), so the copy's scales are bfloat16."""
+    return torch.bfloat16 if dtype == torch.float32 else dtype
 
 
 class Projection(Protocol):
@@ -69,17 +79,21 @@ class Projection(Protocol):
     quantized: QuantizedWeight | None
 
 
-def quantize_int8(weight: torch.Tensor, max_rows: int = MAX_ROWS["int8"]) -> Int8Weight:
-    """Per-output-channel symmetric int8 of a (N, K) weight; an all-zero row gets scale 1."""
+def quantize_int8(weight: torch.Tensor, max_rows: int = MAX_ROWS["int8"],
+                  scales_dtype: torch.dtype | None = None) -> Int8Weight:
+    """Per-output-channel symmetric int8 of a (N, K) weight; an all-zero row gets scale 1. The
+    scales (and so the kernel's activations) are in `scales_dtype`, by default the weight's."""
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)
     scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return Int8Weight(q.contiguous(), scales.to(weight.dtype).contiguous(), max_rows)
+    return Int8Weight(q.contiguous(), scales.to(scales_dtype or weight.dtype).contiguous(), max_rows)
 
 
-def quantize_int4(weight: torch.Tensor, max_rows: int = MAX_ROWS["int4"]) -> Int4Weight:
-    """Asymmetric 4-bit of a (N, K) weight in groups of 32 along K; a constant group gets scale 0."""
+def quantize_int4(weight: torch.Tensor, max_rows: int = MAX_ROWS["int4"],
+                  scales_dtype: torch.dtype | None = None) -> Int4Weight:
+    """Asymmetric 4-bit of a (N, K) weight in groups of 32 along K; a constant group gets scale 0.
+    Scales and offsets (and the kernel's activations) in `scales_dtype`, by default the weight's."""
     n, k = weight.shape
     if k % INT4_GROUP:
         raise ValueError(f"--quantize int4 needs input sizes that are multiples of {INT4_GROUP}, got a {n}x{k} weight")
@@ -90,7 +104,7 @@ def quantize_int4(weight: torch.Tensor, max_rows: int = MAX_ROWS["int4"]) -> Int
                     torch.zeros_like(w)).clamp_(0, 15)
     zero = low + 8 * scale  # (q - 8) * scale + zero == q * scale + low
     packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(n, k).contiguous(), 1)
-    scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(weight.dtype).contiguous()
+    scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(scales_dtype or weight.dtype).contiguous()
     return Int4Weight(packed, scales_and_zeros, max_rows)
 
 
@@ -105,5 +119,7 @@ def quantize_model(projections: Sequence[Projection], method: str, max_rows: int
     layer_quantizer = quantize_int4 if method == "int4" else quantize_int8
     with torch.no_grad():
         for packed in layers:
-            packed.quantized = layer_quantizer(packed.weight, MAX_ROWS[method] if max_rows is None else max_rows)  # type: ignore[arg-type]
-        head.quantized = quantize_int8(head.weight, MAX_ROWS["int8"] if max_rows is None else max_rows)  # type: ignore[arg-type]
+            packed.quantized = layer_quantizer(packed.weight, MAX_ROWS[method] if max_rows is None else max_rows,  # type: ignore[arg-type]
+                                               kernel_dtype(packed.weight.dtype))  # type: ignore[union-attr]
+        head.quantized = quantize_int8(head.weight, MAX_ROWS["int8"] if max_rows is None else max_rows,  # type: ignore[arg-type]
+                                       kernel_dtype(head.weight.dtype))  # type: ignore[union-attr]

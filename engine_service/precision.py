@@ -1,0 +1,61 @@
+"""`--dtype auto` and `--quantize auto`: the precision a model is served in, chosen from the machine
+and the file, and the reason, which `engine_ready` and ServerInfo carry.
+
+The table, from measurements of SmolLM2-135M with 2 threads (README, "Precision"):
+
+- dtype (weights, activations and KV cache). CUDA: bfloat16. A CPU with native bfloat16
+  (`avx512_bf16` or AMX, see cpu.py): bfloat16, whose matmuls run on the matrix units (on a Xeon
+  with AMX, prefill 1.4-2.1x float32's tokens/s). Any other CPU: float32, because bfloat16 there is
+  emulated (on an EPYC with AVX2 a bfloat16 prefill took 12 ms a token, 4.7x float32's).
+- quantize: the file's own quantization served by the matching weight-only kernel, for the decode
+  steps of few rows that are bound by reading the weights: Q4_0, Q4_1 and Q4_K weights -> int4
+  (groups of 32, Q4_1's layout), Q8_0, Q5_K and Q6_K -> int8 (more than 4 bits: int4 would lose
+  what the file kept), F32/F16/BF16 files, Hugging Face checkpoints and random presets -> none.
+  On CUDA, none (the kernels are CPU ones). Prefill and large batches keep the unquantized weights
+  in `dtype` (quantize.py).
+
+Every explicit `--dtype` / `--quantize` wins over the table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_service.cpu import CpuInfo
+
+AUTO = "auto"
+INT4_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+INT8_FORMATS = frozenset({"Q8_0", "Q5_K", "Q6_K"})
+
+
+@dataclass(frozen=True)
+class Precision:
+    dtype: str  # float32, bfloat16 or float16
+    quantize: str  # none, int8 or int4
+    reason: str  # why, in words, for engine_ready and ServerInfo
+
+
+def choose_dtype(requested: str, device: str, cpu: CpuInfo) -> tuple[str, str]:
+    """(dtype, reason) for `--dtype requested` on `device`."""
+    if requested != AUTO:
+        return requested, f"dtype {requested}: asked for"
+    if device.startswith("cuda"):
+        return "bfloat16", "dtype bfloat16: auto on CUDA"
+    if cpu.native_bf16:
+        return "bfloat16", f"dtype bfloat16: auto, the CPU ({cpu.kind}) runs bfloat16 matmuls natively"
+    return "float32", (f"dtype float32: auto, the CPU ({cpu.kind}) has no avx512_bf16/amx_bf16 (or they are "
+                       f"disabled), so bfloat16 arithmetic would be emulated, several times slower")
+
+
+def choose_quantize(requested: str, device: str, weight_format: str) -> tuple[str, str]:
+    """(quantize, reason) for `--quantize requested` of weights stored as `weight_format` (a GGUF
+    tensor type such as "Q4_1", or "safetensors", "random")."""
+    if requested != AUTO:
+        return requested, f"quantize {requested}: asked for"
+    if device.startswith("cuda"):
+        return "none", "quantize none: auto on CUDA (the weight-only kernels are CPU ones)"
+    if weight_format in INT4_FORMATS:
+        return "int4", f"quantize int4: auto, the file's {weight_format} weights served by the int4 kernel for decode"
+    if weight_format in INT8_FORMATS:
+        return "int8", f"quantize int8: auto, the file's {weight_format} weights served by the int8 kernel for decode"
+    return "none", f"quantize none: auto, the weights are {weight_format}"

@@ -1,0 +1,115 @@
+"""`--dtype auto` / `--quantize auto`: the CPU as read from /proc/cpuinfo and torch, and the table
+that turns it and the file into a precision (engine_service/cpu.py, engine_service/precision.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_service.config import EngineConfig
+from engine_service.cpu import CpuInfo, detect, parse_cpuinfo
+from engine_service.model.gguf_checkpoint import weight_format
+from engine_service.model.gguf_reader import read_gguf
+from engine_service.model.presets import PACKAGED
+from engine_service.precision import choose_dtype, choose_quantize
+
+EPYC = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu vme sse sse2 avx avx2 fma bmi2 sha_ni
+processor\t: 1
+model name\t: something else
+flags\t\t: fpu avx512f avx512_bf16
+"""
+XEON = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu avx2 fma avx512f avx512dq avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8
+"""
+
+
+def cpu(text: str, capability: str, isa: str = "") -> CpuInfo:
+    name, flags = parse_cpuinfo(text)
+    return CpuInfo(model_name=name, capability=capability, flags=flags, onednn_max_isa=isa)
+
+
+def test_cpuinfo_is_read_from_the_first_processor() -> None:
+    name, flags = parse_cpuinfo(EPYC)
+    assert name == "AMD EPYC 7B13"
+    assert flags == {"avx2", "fma"}  # the second processor's avx512 flags are not this one's
+    assert parse_cpuinfo("") == ("", frozenset())
+
+
+@pytest.mark.parametrize(("text", "capability", "isa", "kind", "native"), [
+    (EPYC, "AVX2", "", "avx2", False),
+    (XEON, "AVX512", "", "amx", True),
+    (XEON, "AVX2", "", "avx2", False),  # ATEN_CPU_CAPABILITY=avx2 lowers torch's dispatch
+    (XEON, "AVX512", "AVX2", "avx512", False),  # ONEDNN_MAX_CPU_ISA=AVX2 lowers oneDNN's
+    (XEON, "AVX512", "AVX512_CORE_AMX", "amx", True),
+    (XEON.replace(" amx_bf16", ""), "AVX512", "", "avx512_bf16", True),
+    (EPYC, "DEFAULT", "", "other", False),
+])
+def test_the_machine_class(text: str, capability: str, isa: str, kind: str, native: bool) -> None:
+    info = cpu(text, capability, isa)
+    assert info.kind == kind
+    assert info.native_bf16 is native
+
+
+def test_describe_names_capability_flags_and_model() -> None:
+    assert cpu(XEON, "AVX512").describe() == (
+        "AVX512 [avx2 fma avx512f avx512_vnni avx512_bf16 amx_bf16 amx_int8] (Intel(R) Xeon(R) Processor)")
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in cpu(XEON, "AVX512", "AVX2").describe()
+
+
+def test_this_machine_is_detected() -> None:
+    info = detect()
+    assert info.capability and info.model_name
+    assert info.kind in ("amx", "avx512_bf16", "avx512", "avx2", "other")
+
+
+@pytest.mark.parametrize(("text", "capability", "device", "dtype"), [
+    (XEON, "AVX512", "cpu", "bfloat16"),
+    (EPYC, "AVX2", "cpu", "float32"),
+    (XEON, "AVX2", "cpu", "float32"),
+    (EPYC, "AVX2", "cuda:0", "bfloat16"),
+])
+def test_auto_dtype_follows_native_bfloat16(text: str, capability: str, device: str, dtype: str) -> None:
+    chosen, reason = choose_dtype("auto", device, cpu(text, capability))
+    assert chosen == dtype
+    assert reason.startswith(f"dtype {dtype}: auto")
+
+
+def test_an_explicit_dtype_wins() -> None:
+    assert choose_dtype("bfloat16", "cpu", cpu(EPYC, "AVX2")) == ("bfloat16", "dtype bfloat16: asked for")
+    assert choose_dtype("float32", "cpu", cpu(XEON, "AVX512"))[0] == "float32"
+
+
+@pytest.mark.parametrize(("fmt", "method"), [
+    ("Q4_0", "int4"), ("Q4_1", "int4"), ("Q4_K", "int4"), ("Q8_0", "int8"), ("Q5_K", "int8"), ("Q6_K", "int8"),
+    ("F32", "none"), ("F16", "none"), ("BF16", "none"), ("safetensors", "none"), ("random", "none"),
+])
+def test_auto_quantize_serves_the_files_own(fmt: str, method: str) -> None:
+    chosen, reason = choose_quantize("auto", "cpu", fmt)
+    assert chosen == method
+    assert fmt in reason
+
+
+def test_auto_quantize_is_none_on_cuda_and_explicit_wins() -> None:
+    assert choose_quantize("auto", "cuda", "Q4_1")[0] == "none"
+    assert choose_quantize("none", "cpu", "Q4_1") == ("none", "quantize none: asked for")
+    assert choose_quantize("int8", "cpu", "F32")[0] == "int8"
+
+
+def test_the_packaged_files_layers_are_q4_1() -> None:
+    assert weight_format(read_gguf(PACKAGED["smollm2"].locate("smollm2"))) == "Q4_1"
+
+
+def test_auto_is_the_default_and_refusals_name_the_value() -> None:
+    assert (EngineConfig().dtype, EngineConfig().quantize) == ("auto", "auto")
+    EngineConfig(dtype="float32", quantize="int4")  # float32 activations are cast for the kernel
+    with pytest.raises(ValueError, match="quantize int4 needs dtype bfloat16, float32 or auto, got 'float16'"):
+        EngineConfig(dtype="float16", quantize="int4")
+    with pytest.raises(ValueError, match="quantize int8 runs on the CPU only.*'cuda'"):
+        EngineConfig(device="cuda", quantize="int8")
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"):
+        EngineConfig(dtype="fp8")
+    with pytest.raises(ValueError, match="quantize must be one of auto, none, int8, int4, got 'q4'"):
+        EngineConfig(quantize="q4")
