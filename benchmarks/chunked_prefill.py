@@ -1,7 +1,7 @@
 """Chunked prefill: do running streams keep flowing while a long prompt prefills, and what does the
 long prompt pay for it?
 
-    python benchmarks/chunked_prefill.py [--model smollm2] [--dtype bfloat16] [--budgets 128,2048]
+    python benchmarks/chunked_prefill.py [--model smollm2] [--dtype auto] [--budgets auto,96,2048]
 
 For each per-step prefill budget (`--max-prefill-tokens`; the first is the engine's default), one
 engine, and in it:
@@ -98,15 +98,15 @@ async def measure(address: str, seed: int) -> tuple[float, float, float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--budgets", default="128,2048",
-                        help="--max-prefill-tokens values, comma-separated (the first is the reference)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--budgets", default="auto,96",
+                        help="--max-prefill-tokens values (auto or a count), comma-separated (the first is the reference)")
     args = parser.parse_args()
-    budgets = [int(b) for b in args.budgets.split(",")]
+    budgets = args.budgets.split(",")
     first_alone = None
     print(f"# {args.model} {args.dtype}: {STEADY} streams ({STEADY_PROMPT}-token prompts) + one {LONG}-token prompt")
     for n, budget in enumerate(budgets):
-        with EngineProcess("--model", args.model, "--dtype", args.dtype, "--max-prefill-tokens", str(budget),
+        with EngineProcess("--model", args.model, "--dtype", args.dtype, "--max-prefill-tokens", budget,
                            "--max-context", "2048", "--threads", "0") as proc:
             alone, tpot, gap, loaded = asyncio.run(measure(proc.address, seed=1000 * (n + 1)))
         first_alone = first_alone or alone

@@ -25,7 +25,10 @@ Workload, as in benchmarks/throughput.py: prompt 128 tokens, 64 new tokens.
     context (reported as tok/s and TPOT = 1 / that);
   - 32 at once: `llama-batched-bench -npp 128 -ntg 64 -npl 32`, 32 separate prompts prefilled
     then decoded together; reported as output tokens over the whole run including prefill,
-    32 * 64 / (t_pp + t_tg).
+    32 * 64 / (t_pp + t_tg);
+  - prefill: `llama-bench -p 128,512 -n 0`, one prompt of each length processed from an empty
+    context, nothing generated (reported as prompt tok/s per length; benchmarks/prefill.py sets
+    them beside the engine's, through `prefill_tokens_per_s`).
 llama.cpp's benches feed tokens without sampling; greedy sampling is negligible beside a forward.
 Q4_1 runs with weight repacking off (`--repack 0` / `-nr`): that path crashed on this machine.
 
@@ -47,7 +50,8 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -60,6 +64,7 @@ REQUIREMENT = f"llama-cpp-python=={VERSION}"
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-server")
 PRECISIONS = ("Q4_1", "BF16", "F32")
 PROMPT, NEW, BATCH = 128, 64, 32
+PREFILL_LENGTHS = (128, 512)  # prompt lengths of the prefill figures
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",
@@ -79,14 +84,29 @@ class LlamaCppError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class PrefillResult:
+    """llama-bench's prefill figures for one GGUF file."""
+
+    tok_s: dict[int, float]  # prompt length -> prompt tokens/s (mean of llama-bench's repetitions)
+    best_tok_s: dict[int, float]  # prompt length -> prompt tokens/s of the fastest repetition
+    others_busy_cores: float | None = None  # as in LlamaCppResult
+
+    @property
+    def contended(self) -> bool:
+        return self.others_busy_cores is not None and self.others_busy_cores > CONTENDED
+
+
+@dataclass(frozen=True)
 class LlamaCppResult:
     precision: str
     one_stream_tok_s: float  # decode-only tokens/s of one sequence
     one_stream_tpot_ms: float  # 1000 / one_stream_tok_s
     batch32_output_tok_s: float  # 32 * 64 output tokens / (prefill + decode time) of 32 sequences
-    # Most cores other processes kept busy during either run (None: unknown); over CONTENDED, the
-    # figures are low and not fit to compare.
+    # Most cores other processes kept busy during any of the runs (None: unknown); over CONTENDED,
+    # the figures are low and not fit to compare.
     others_busy_cores: float | None = None
+    # Prompt length -> prompt tokens/s of one prompt prefilled from an empty context (llama-bench -p N -n 0).
+    prefill_tok_s: Mapping[int, float] = field(default_factory=dict)
 
     @property
     def contended(self) -> bool:
@@ -258,20 +278,42 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _timed_run(step: str, cmd: list[str], timeout: float) -> tuple[str, float | None]:
-    """_run, and the cores other processes kept busy meanwhile (all busy CPU time less the command's).
+class OthersBusy:
+    """`with OthersBusy(step) as busy: ...`; then `busy.cores`: the cores other processes kept busy
+    meanwhile (all busy CPU time less `own_cpu_s()`'s growth, over the wall time), None where
+    /proc/stat is unreadable. `own_cpu_s` is what counts as ours: by default the CPU time of this
+    process's finished children (a command run to its end inside the block); `log` says the warning.
 
-    ggml's threads spin at barriers, so one other busy process on a 2-core machine can slow a
-    2-thread run several-fold: a warning goes to stderr when others used over a quarter of a core."""
-    busy0, own0, t0 = _cpu_busy_s(), _children_cpu_s(), time.monotonic()
-    out = _run(step, cmd, timeout=timeout)
-    busy1, own1, wall = _cpu_busy_s(), _children_cpu_s(), time.monotonic() - t0
-    if busy0 is None or busy1 is None or wall <= 0:
-        return out, None
-    others = max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
-    if others > CONTENDED:
-        _log(f"warning: other processes kept {others:.2f} cores busy during {step}; its figure is low")
-    return out, others
+    ggml's threads spin at barriers (and torch's intra-op threads wait on each other), so one other
+    busy process on a 2-core machine can slow a 2-thread run several-fold: a warning naming `step`
+    goes to stderr when others used over CONTENDED cores."""
+
+    def __init__(self, step: str, own_cpu_s: Callable[[], float] | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.step = step
+        self._own = own_cpu_s or _children_cpu_s
+        self._log = log or _log
+        self.cores: float | None = None
+
+    def __enter__(self) -> OthersBusy:
+        self._busy0, self._own0, self._t0 = _cpu_busy_s(), self._own(), time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy1, own1, wall = _cpu_busy_s(), self._own(), time.monotonic() - self._t0
+        if self._busy0 is None or busy1 is None or wall <= 0:
+            return
+        self.cores = max(0.0, (busy1 - self._busy0) - (own1 - self._own0)) / wall
+        if self.cores > CONTENDED and exc[0] is None:
+            self._log(f"warning: other processes kept {self.cores:.2f} cores busy during {self.step}; "
+                      f"its figure is low")
+
+
+def _timed_run(step: str, cmd: list[str], timeout: float) -> tuple[str, float | None]:
+    """_run, and the cores other processes kept busy meanwhile (OthersBusy)."""
+    with OthersBusy(step) as busy:
+        out = _run(step, cmd, timeout=timeout)
+    return out, busy.cores
 
 
 def one_stream_command(bin_dir: Path, model: Path, precision: str, threads: int) -> list[str]:
@@ -287,8 +329,55 @@ def batch_command(bin_dir: Path, model: Path, precision: str, threads: int) -> l
     return cmd + (["-nr"] if precision == "Q4_1" else [])
 
 
-def measure(precision: str, threads: int = 2, cache: Path | None = None) -> LlamaCppResult:
-    """llama.cpp's figures for one precision ("Q4_1", "BF16" or "F32"), building what is missing."""
+def prefill_command(bin_dir: Path, model: Path, lengths: Sequence[int], threads: int, repack: bool) -> list[str]:
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-p", ",".join(str(n) for n in lengths), "-n", "0",
+           "-t", str(threads), "-r", "3", "-o", "json"]
+    return cmd + ([] if repack else ["--repack", "0"])
+
+
+def prefill(binaries: Path, gguf_path: Path, lengths: Sequence[int] = PREFILL_LENGTHS, threads: int = 2, *,
+            repack: bool = False) -> PrefillResult:
+    """llama-bench's prefill figures for one GGUF file: `llama-bench -p N1,N2.. -n 0 -r 3`, one
+    prompt of each length from an empty context (tok/s: the mean of the 3 repetitions, after
+    llama-bench's own warm-up run; best_tok_s: the fastest of them). `binaries` is the directory of llama-bench (what `build`
+    returns). Weight repacking is off unless `repack`: its Q4_1 path crashed on this machine, and it
+    changes nothing for F32/BF16/F16 files (ggml repacks, and runs AMX kernels for, quantized
+    types only)."""
+    lengths = list(lengths)
+    if not lengths or any(not isinstance(n, int) or n < 1 for n in lengths) or len(set(lengths)) != len(lengths):
+        raise ValueError(f"prefill lengths must be distinct positive ints, got {lengths!r}")
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads!r}")
+    step = f"llama-bench prefill {gguf_path.name} -p {','.join(map(str, lengths))}"
+    cmd = prefill_command(binaries, gguf_path, lengths, threads, repack)
+    out, others = _timed_run(step, cmd, timeout=1800)
+    rows = _json_tail(step, cmd, out)
+    tok_s: dict[int, float] = {}
+    best: dict[int, float] = {}
+    for n in lengths:
+        pp = [r for r in rows if r.get("n_prompt") == n and r.get("n_gen") == 0 and not r.get("n_depth")]
+        if len(pp) != 1:
+            raise LlamaCppError(f"{step}: expected one pp{n} result, got {rows}")
+        tok_s[n] = _field(step, pp[0], "avg_ts")
+        samples = pp[0].get("samples_ts")
+        if not isinstance(samples, list) or not samples or not all(
+                isinstance(x, int | float) and x > 0 for x in samples):
+            raise LlamaCppError(f"{step}: pp{n} result has no positive 'samples_ts': {pp[0]}")
+        best[n] = float(max(samples))
+    return PrefillResult(tok_s=tok_s, best_tok_s=best, others_busy_cores=others)
+
+
+def prefill_tokens_per_s(binaries: Path, gguf_path: Path, lengths: Sequence[int] = PREFILL_LENGTHS,
+                         threads: int = 2, *, repack: bool = False) -> dict[int, float]:
+    """Prompt length -> llama.cpp's prompt tokens/s for one GGUF file (`prefill`'s figures, without
+    the busy-CPU measure; a contended run is still warned about on stderr)."""
+    return prefill(binaries, gguf_path, lengths, threads, repack=repack).tok_s
+
+
+def measure(precision: str, threads: int = 2, cache: Path | None = None,
+            prefill_lengths: Sequence[int] = PREFILL_LENGTHS) -> LlamaCppResult:
+    """llama.cpp's figures for one precision ("Q4_1", "BF16" or "F32"), building what is missing;
+    the prefill figures for `prefill_lengths` (none when empty)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     cache = cache or default_cache()
@@ -312,10 +401,13 @@ def measure(precision: str, threads: int = 2, cache: Path | None = None) -> Llam
     if len(runs) != 1:
         raise LlamaCppError(f"{step}: expected one result for pp={PROMPT} tg={NEW} pl={BATCH}, got {rows}")
     total_s = _field(step, runs[0], "t")
+
+    pp = prefill(bin_dir, model, prefill_lengths, threads, repack=precision != "Q4_1") if prefill_lengths else None
+    others = (others_one, others_batch, pp.others_busy_cores if pp else None)
     return LlamaCppResult(precision=precision, one_stream_tok_s=tok_s, one_stream_tpot_ms=1000.0 / tok_s,
                           batch32_output_tok_s=BATCH * NEW / total_s,
-                          others_busy_cores=max((x for x in (others_one, others_batch) if x is not None),
-                                                default=None))
+                          others_busy_cores=max((x for x in others if x is not None), default=None),
+                          prefill_tok_s=pp.tok_s if pp else {})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,11 +438,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"llama.cpp (llama-cpp-python {VERSION} vendored), SmolLM2-135M-Instruct, {args.threads} threads, "
-          f"prompt {PROMPT}, {NEW} new tokens")
-    print(f"{'precision':<10}{'1 stream tok/s':>16}{'TPOT ms':>10}{'32 at once out tok/s':>22}")
+          f"prompt {PROMPT}, {NEW} new tokens; prefill: one prompt of N tokens, nothing generated")
+    print(f"{'precision':<10}{'1 stream tok/s':>16}{'TPOT ms':>10}{'32 at once out tok/s':>22}"
+          + "".join(f"{f'prefill {n} tok/s':>19}" for n in PREFILL_LENGTHS))
     for r in results:
         print(f"{r.precision:<10}{r.one_stream_tok_s:>16.1f}{r.one_stream_tpot_ms:>10.2f}"
-              f"{r.batch32_output_tok_s:>22.1f}" + ("  *" if r.contended else ""))
+              f"{r.batch32_output_tok_s:>22.1f}" + "".join(f"{r.prefill_tok_s[n]:>19.1f}" for n in PREFILL_LENGTHS)
+              + ("  *" if r.contended else ""))
     if any(r.contended for r in results):
         print(f"* other processes kept over {CONTENDED} cores busy during the run: figures low, rerun on a quiet machine")
     return 0

@@ -13,6 +13,7 @@ from engine_service.config import (
     DEFAULT_PREFIX_CACHE_TOKENS,
     DTYPE_CHOICES,
     QUANTIZE_CHOICES,
+    SPECULATIVE_METHODS,
     EngineConfig,
     ServerConfig,
 )
@@ -44,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "groups of 32 (Q4_1's layout: near-lossless on a Q4_1 model such as smollm2), +25%%; auto: a "
                         "GGUF's own (Q4_0/Q4_1/Q4_K -> int4, Q8_0/Q5_K/Q6_K -> int8), none for other files and on "
                         "CUDA; none: the weights dequantized into --dtype only")
+    m.add_argument("--speculative", default="none", choices=SPECULATIVE_METHODS,
+                   help="ngram: prompt-lookup speculative decoding (vLLM's ngram, llama.cpp's lookup): draft the "
+                        "tokens that followed the latest earlier occurrence of the text's last 2-4 tokens, verify them "
+                        "in one forward, keep those the model agrees with (greedy: the same tokens as without it); "
+                        "only while at most 4 rows decode. Pays on input-grounded tasks (repeating, editing, quoting)")
+    m.add_argument("--speculative-tokens", type=int, default=6, help="draft tokens per step with --speculative ngram")
     m.add_argument("--trace-decode", action=argparse.BooleanOptionalAction, default=True,
                    help="run the decode step as TorchScript traces made at start-up (the same operators without "
                         "Python's dispatch of each; a second or two to trace)")
@@ -120,7 +127,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         stream_interval=args.stream_interval,
         stall_seconds=args.stall_seconds,
         faults=FaultPlan.parse(args.fault), threads=args.threads, quantize=args.quantize,
-        trace_decode=args.trace_decode,
+        trace_decode=args.trace_decode, speculative=args.speculative, speculative_tokens=args.speculative_tokens,
     )
     server = ServerConfig(
         host=args.host, port=args.port, grace_seconds=args.grace_seconds, max_receive_bytes=args.max_receive_bytes,

@@ -40,6 +40,8 @@ class EngineConfig:
     faults: FaultPlan = field(default_factory=FaultPlan)
     threads: int = 0
     quantize: str = "auto"  # auto: the file's own (precision.py), or none, int8, int4 (model/quantize.py)
+    speculative: str = "none"  # none, or ngram: prompt-lookup speculative decoding (engine_service/speculator.py)
+    speculative_tokens: int = 6  # draft tokens per step and row with --speculative ngram
     trace_decode: bool = True  # the decode step through TorchScript traces (engine_service/model/traced_decode.py)
 
     def __post_init__(self) -> None:
@@ -70,6 +72,9 @@ class EngineConfig:
         if self.quantize in ("int8", "int4") and self.device != "cpu":
             raise ValueError(f"quantize {self.quantize} runs on the CPU only (torch's weight-only CPU kernels), "
                              f"got device {self.device!r}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative!r}")
+        _positive("speculative_tokens", self.speculative_tokens)
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
 
@@ -107,6 +112,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto", *DTYPES)
 QUANTIZE_METHODS = ("none", "int8", "int4")
 QUANTIZE_CHOICES = ("auto", *QUANTIZE_METHODS)
+SPECULATIVE_METHODS = ("none", "ngram")
 
 
 def _positive(name: str, value: int) -> None:

@@ -28,6 +28,8 @@ from engine_service.prefix_cache import PrefixCache
 from engine_service.requests import Limits, Request
 from engine_service.scheduler import LoadSnapshot, Scheduler
 from engine_service.sequence import FinishReason, Sequence
+from engine_service.speculative import SpeculativeConfig
+from engine_service.speculator import Speculator
 from shared.errors import EngineDraining, EngineError, EngineUnavailable, SequenceError
 
 log = structlog.get_logger()
@@ -178,13 +180,15 @@ class Engine:
                                     prefill_token_budget=budget.tokens(1))
         self._loop_thread = DecodeLoop(runner, self._scheduler, FaultInjector(cfg.faults),
                                        _end_tokens(loaded), self._deliver_threadsafe, self._fatal_threadsafe,
-                                       PrefixCache(cfg.prefix_cache_tokens), budget)
+                                       PrefixCache(cfg.prefix_cache_tokens), budget,
+                                       Speculator(SpeculativeConfig(num_tokens=cfg.speculative_tokens))
+                                       if cfg.speculative == "ngram" else None)
         self._loop_thread.start()
         self._stall_watch = asyncio.create_task(self._watch_stalls(cfg.stall_seconds))
         self.ready.set()
         log.info("engine_ready", model=loaded.name, device=str(device), dtype=precision.dtype,
                  quantize=precision.quantize, precision_reason=precision.reason, cpu=cpu.describe(),
-                 weight_format=loaded.weight_format, trace_decode=cfg.trace_decode,
+                 weight_format=loaded.weight_format, trace_decode=cfg.trace_decode, speculative=cfg.speculative,
                  kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
                  max_prefill_tokens=cfg.max_prefill_tokens or "auto", prefix_cache_tokens=cfg.prefix_cache_tokens,
                  prefix_cache_bytes=runner.cache.bytes_per_token() * cfg.prefix_cache_tokens,

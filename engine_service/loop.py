@@ -25,6 +25,7 @@ from engine_service.prefix_cache import PrefixCache
 from engine_service.sampler import new_generator, sample
 from engine_service.scheduler import Scheduler
 from engine_service.sequence import FinishReason, Sequence
+from engine_service.speculator import Speculator
 from shared.errors import DeadlineExceeded, EngineError, SequenceError
 
 log = structlog.get_logger()
@@ -50,8 +51,10 @@ Deliver = Callable[[list[Emission]], None]
 class DecodeLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, faults: FaultInjector, end_token_ids: frozenset[int],
                  deliver: Deliver, on_fatal: Callable[[BaseException], None],
-                 prefix_cache: PrefixCache | None = None, prefill_budget: PrefillBudget | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, prefill_budget: PrefillBudget | None = None,
+                 speculator: Speculator | None = None) -> None:
         self.runner = runner
+        self.speculator = speculator
         # fixed at the scheduler's own budget unless given one that adapts to the step times
         self.prefill_budget = prefill_budget or PrefillBudget(scheduler.prefill_token_budget, scheduler.max_context)
         self.prefix_cache = prefix_cache or PrefixCache(0)
@@ -107,23 +110,29 @@ class DecodeLoop:
         decoding = sched.running[:sched.decoding]
         sched.prefill_token_budget = self.prefill_budget.tokens(len(decoding))
         prefills = sched.plan_prefill(lambda seq, row: self._start(seq, row, now))
-        # forward + sample: the decoding rows, then the prompts whose last chunk this is
+        drafts = self.speculator.drafts(decoding) if self.speculator is not None else None
+        # forward + sample: the decoding rows (with their drafts), then the prompts whose last chunk this is
         started = time.perf_counter()
-        logits = self.runner.forward(decoding, prefills)
+        logits = self.runner.forward(decoding, prefills, drafts)
         for p in prefills:
             p.seq.cache_len = p.chunk.start + p.chunk.length
             prefix.offer(p.seq.request.prompt_ids, cache, p.chunk.row, p.seq.cache_len)
         producing = decoding + [p.seq for p in prefills if p.completes]
-        tokens = sample(logits, [s.request.sampling for s in producing], [s.generator for s in producing])
-        self.prefill_budget.observe(len(decoding), sum(p.chunk.length for p in prefills), time.perf_counter() - started)
+        if drafts is None:
+            tokens = [[t] for t in sample(logits, [s.request.sampling for s in producing],
+                                          [s.generator for s in producing])]
+            self.prefill_budget.observe(len(decoding), sum(p.chunk.length for p in prefills),
+                                        time.perf_counter() - started)
+        else:
+            tokens = Speculator.choose(logits, producing, drafts)
         # emit: one sequence failing is that sequence's business alone
         emitted_at = time.monotonic()
         doomed = self.faults.doomed_rows(self.steps, [s.request_id for s in producing],
                                          [len(s.generated) for s in producing])
         finished: list[Sequence] = []
-        for i, (seq, token) in enumerate(zip(producing, tokens, strict=True)):
+        for i, (seq, seq_tokens) in enumerate(zip(producing, tokens, strict=True)):
             try:
-                out.append(self._emit(seq, token, i in doomed, emitted_at))
+                out.append(self._emit(seq, seq_tokens, i in doomed, emitted_at))
             except SequenceError as err:
                 log.warning("sequence_aborted", request_id=seq.request_id, **seq.trace, reason=err.reason,
                             cause=err.metadata.get("cause"))
@@ -146,15 +155,23 @@ class DecodeLoop:
         seq.generator = new_generator(seq.request.sampling, self.runner.device)
         seq.cache_len = seq.cached_tokens = self.prefix_cache.reuse(seq.request.prompt_ids, self.runner.cache, row)
 
-    def _emit(self, seq: Sequence, token: int, doomed: bool, at: float) -> Emission:
+    def _emit(self, seq: Sequence, tokens: list[int], doomed: bool, at: float) -> Emission:
+        """Append this step's tokens (one, or a verified draft's several) up to the first that ends it."""
         if doomed:
             raise self.faults.fail(seq.request_id, len(seq.generated), self.steps)
-        seq.cache_len = seq.total_len  # this step's input is now in the cache
-        seq.generated.append(token)
+        finish, kept = None, []
+        for token in tokens:
+            seq.generated.append(token)
+            kept.append(token)
+            if (finish := seq.finish_reason(token, self.end_token_ids)) is not None:
+                break
+        seq.cache_len = seq.total_len - 1  # this step's inputs are in the cache; the newest token is not
+        if seq.ngram is not None:
+            seq.ngram.extend(kept)
         if seq.timings.first_token is None:
             seq.timings.first_token = at
         seq.timings.last_token = at
-        return Emission(seq, (token,), finish=seq.finish_reason(token, self.end_token_ids), at=at)
+        return Emission(seq, tuple(kept), finish=finish, at=at)
 
     @staticmethod
     def _dropped(seq: Sequence, now: float) -> Emission:

@@ -36,6 +36,8 @@ class RequestSample:
     output_tokens: int | None = None
     ttft_s: float | None = None
     tpot_s: float | None = None
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class EngineMetrics:
@@ -49,6 +51,13 @@ class EngineMetrics:
             "engine.prompt_tokens", unit="{token}", description="Prompt tokens of requests the engine accepted")
         self.generation_tokens = meter.create_counter(
             "engine.generation_tokens", unit="{token}", description="Tokens generated (streamed or not)")
+        # vLLM's spec_decode_num_draft_tokens / spec_decode_num_accepted_tokens
+        self.draft_tokens = meter.create_counter(
+            "engine.spec_decode.draft_tokens", unit="{token}",
+            description="Speculated draft tokens verified (--speculative), counted when their request ends")
+        self.accepted_tokens = meter.create_counter(
+            "engine.spec_decode.accepted_tokens", unit="{token}",
+            description="Of the draft tokens verified, those the model accepted")
         self.ttft = meter.create_histogram(
             "gen_ai.server.time_to_first_token", unit="s", description="Time from request received to first token",
             explicit_bucket_boundaries_advisory=TTFT_BUCKETS)
@@ -84,6 +93,9 @@ class EngineMetrics:
             self.prompt_tokens.add(sample.prompt_tokens)
         if sample.output_tokens:
             self.generation_tokens.add(sample.output_tokens)
+        if sample.draft_tokens:
+            self.draft_tokens.add(sample.draft_tokens)
+            self.accepted_tokens.add(sample.accepted_tokens)
         if sample.ttft_s is not None:
             self.ttft.record(sample.ttft_s)
         if sample.tpot_s is not None:

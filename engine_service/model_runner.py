@@ -11,7 +11,7 @@ from functools import partial
 import structlog
 import torch
 
-from engine_service.model.kv_cache import KVCache
+from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.quantize import quantize_model
 from engine_service.model.traced_decode import TracedDecode
@@ -38,14 +38,34 @@ class ModelRunner:
             except RuntimeError as err:  # the tracer's failures; eager decoding gives the same tokens, slower
                 log.warning("decode_trace_failed", error_type=type(err).__name__, error=str(err))
 
-    def forward(self, decoding: Seq[Sequence], prefills: Seq[Prefill]) -> torch.Tensor:
+    def forward(self, decoding: Seq[Sequence], prefills: Seq[Prefill],
+                drafts: Seq[Seq[int]] | None = None) -> torch.Tensor:
         """Logits (d + K, V): the `decoding` rows' (rows 0..d-1, each fed its last token), then the
-        last prompt token's of each prefill that completes its prompt."""
+        last prompt token's of each prefill that completes its prompt. With `drafts` (one list of
+        speculated tokens per decoding row, speculative.py), each decoding row i is fed its last
+        token and its draft, and gives 1 + len(drafts[i]) rows of logits, in order, instead of one."""
+        if drafts is not None:
+            return self._verify(decoding, prefills, drafts)
         tokens = torch.tensor([s.generated[-1] for s in decoding], dtype=torch.long, device=self.device)
         positions = torch.tensor([s.cache_len for s in decoding], dtype=torch.long, device=self.device)
         if not prefills:
             return self._decode(tokens, positions)
-        chunk_tokens = torch.tensor([t for p in prefills for t in p.seq.request.prompt_ids[
+        return self.model.step(tokens, positions, self._prompt_tokens(prefills), [p.chunk for p in prefills],
+                               self.cache, logits_of=[i for i, p in enumerate(prefills) if p.completes])
+
+    def _verify(self, decoding: Seq[Sequence], prefills: Seq[Prefill], drafts: Seq[Seq[int]]) -> torch.Tensor:
+        """Each decoding row as a chunk of its last token and its draft at its next positions (the
+        keys and values of rejected draft tokens are overwritten later: the row's cache_len moves
+        past accepted tokens only), then the prefills' chunks."""
+        fed = [[s.generated[-1], *draft] for s, draft in zip(decoding, drafts, strict=True)]
+        chunks = [PromptChunk(row, s.cache_len, len(t)) for row, (s, t) in enumerate(zip(decoding, fed, strict=True))]
+        tokens = torch.tensor([t for f in fed for t in f], dtype=torch.long, device=self.device)
+        none = tokens[:0]
+        return self.model.step(
+            none, none, torch.cat([tokens, self._prompt_tokens(prefills)]), [*chunks, *(p.chunk for p in prefills)],
+            self.cache, logits_of=[len(chunks) + i for i, p in enumerate(prefills) if p.completes],
+            every_token_of=len(chunks))
+
+    def _prompt_tokens(self, prefills: Seq[Prefill]) -> torch.Tensor:
+        return torch.tensor([t for p in prefills for t in p.seq.request.prompt_ids[
             p.chunk.start:p.chunk.start + p.chunk.length]], dtype=torch.long, device=self.device)
-        return self.model.step(tokens, positions, chunk_tokens, [p.chunk for p in prefills], self.cache,
-                               logits_of=[i for i, p in enumerate(prefills) if p.completes])

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_service.requests import Request
+from engine_service.speculative import NgramIndex
 
 
 class FinishReason(enum.Enum):
@@ -42,6 +43,9 @@ class Sequence:
     generator: torch.Generator | None = None
     timings: Timings = field(default_factory=Timings)
     cancelled: bool = False
+    ngram: NgramIndex | None = None  # its text's n-grams, once speculation drafts for it (speculator.py)
+    draft_tokens: int = 0  # speculated tokens verified for it
+    accepted_tokens: int = 0  # of those, accepted
 
     @property
     def request_id(self) -> str:

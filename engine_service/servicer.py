@@ -112,8 +112,8 @@ class EngineServicer:
             return outcome
         seq = handle.seq
         return replace(outcome, prompt_tokens=len(seq.request.prompt_ids), output_tokens=len(seq.generated),
-                       cached_prompt_tokens=seq.cached_tokens,
-                       timings=seq.timings)
+                       cached_prompt_tokens=seq.cached_tokens, timings=seq.timings,
+                       draft_tokens=seq.draft_tokens, accepted_tokens=seq.accepted_tokens)
 
     async def _stream(self, handle: Handle) -> AsyncIterator[pb.DecodeResponse]:
         request_id = handle.seq.request_id
@@ -135,6 +135,8 @@ class EngineServicer:
                 response.usage.prompt_tokens = len(seq.request.prompt_ids)
                 response.usage.completion_tokens = len(seq.generated)
                 response.usage.cached_prompt_tokens = seq.cached_tokens
+                response.usage.speculative_draft_tokens = seq.draft_tokens
+                response.usage.speculative_accepted_tokens = seq.accepted_tokens
                 response.timing.queue_seconds = (t.prefill_started or t.accepted) - t.accepted
                 response.timing.time_to_first_token_seconds = (t.first_token or t.accepted) - t.accepted
                 response.timing.total_seconds = (t.last_token or t.accepted) - t.accepted

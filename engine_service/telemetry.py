@@ -44,6 +44,8 @@ class RequestOutcome:
     finish_reason: str | None = None
     model: str | None = None
     cached_prompt_tokens: int | None = None  # of prompt_tokens, those the prefix cache supplied
+    draft_tokens: int = 0  # speculated tokens verified (--speculative)
+    accepted_tokens: int = 0  # of those, accepted
 
     @property
     def reason(self) -> str:
@@ -78,7 +80,7 @@ class RequestTelemetry:
         self.metrics.record(RequestSample(
             status=outcome.code.name, reason=outcome.reason, duration_s=outcome.ended - outcome.started,
             prompt_tokens=outcome.prompt_tokens, output_tokens=outcome.output_tokens, ttft_s=outcome.ttft_s,
-            tpot_s=outcome.tpot_s))
+            tpot_s=outcome.tpot_s, draft_tokens=outcome.draft_tokens, accepted_tokens=outcome.accepted_tokens))
         if span.is_recording():
             self._end_span(span, outcome)
 

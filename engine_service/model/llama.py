@@ -283,13 +283,16 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def step(self, decode_tokens: torch.Tensor, decode_positions: torch.Tensor, chunk_tokens: torch.Tensor,
-             chunks: Sequence[PromptChunk], cache: KVCache, logits_of: Sequence[int] | None = None) -> torch.Tensor:
+             chunks: Sequence[PromptChunk], cache: KVCache, logits_of: Sequence[int] | None = None,
+             every_token_of: int = 0) -> torch.Tensor:
         """One step of continuous batching as one pass over the weights: rows 0..d-1 decode one
         token each (`decode_tokens` at `decode_positions`, both (d,)), and `chunks` of prompts
         prefill, their tokens one after another in `chunk_tokens` (N,), nothing padded. A chunk's
         keys and values go into its row at its positions, and it attends to the row's cached
-        positions before it. Returns (d + K, V): the decoding rows' logits, then those of the last
-        token of each chunk numbered in `logits_of`; or every chunk token's (d + N, V) when None."""
+        positions before it. Returns (d + K, V): the decoding rows' logits, then every token's of
+        the first `every_token_of` chunks (a speculative draft being verified), then those of the
+        last token of each later chunk numbered in `logits_of`; or every chunk token's (d + N, V)
+        when `logits_of` is None."""
         device = chunk_tokens.device
         d = decode_tokens.shape[0]
         chunk_positions = [torch.arange(c.start, c.start + c.length) for c in chunks]
@@ -299,8 +302,10 @@ class LlamaForCausalLM(nn.Module):
                                mask, chunks, cache)
         if logits_of is None:
             return self._logits(hidden)
-        ends = d + torch.tensor([c.length for c in chunks], dtype=torch.long).cumsum(0) - 1
-        picked = torch.cat([torch.arange(d), ends[list(logits_of)]]).to(device)
+        lengths = torch.tensor([c.length for c in chunks], dtype=torch.long)
+        ends = d + lengths.cumsum(0) - 1
+        spans = torch.arange(d + int(lengths[:every_token_of].sum()))  # the decoding rows' and the drafts'
+        picked = torch.cat([spans, ends[list(logits_of)]]).to(device)
         return self._logits(hidden[picked])
 
     @torch.inference_mode()
