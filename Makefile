@@ -40,9 +40,12 @@ peers: setup
 	$(BIN)/python benchmarks/llamacpp.py --build-only
 
 # This engine (its defaults, over gRPC) and llama-server (HTTP) side by side on the packaged SmolLM2 GGUF,
-# the same prompts, one sweep (bench_client/compare.toml): about 5 minutes on 2 cores, after `make peers`.
+# the same prompts (bench_client/compare.toml: concurrency 1, 8, 32; compare_long.toml: a 1,024-token prompt):
+# about 7 minutes on 2 cores, after `make peers`.
+COMPARE_OUT := runs/compare-$(shell date +%Y%m%d-%H%M%S)
 compare: peers
-	$(BIN)/python -m bench_client sweep bench_client/compare.toml --out runs/compare-$(shell date +%Y%m%d-%H%M%S)
+	$(BIN)/python -m bench_client sweep bench_client/compare.toml --out $(COMPARE_OUT)
+	$(BIN)/python -m bench_client sweep bench_client/compare_long.toml --out $(COMPARE_OUT)-long
 
 lint: setup
 	$(BIN)/ruff check .

@@ -345,11 +345,21 @@ def test_cli_exits_2_on_a_prefix_longer_than_a_context(tmp_path: Path, capsys: p
     assert not (tmp_path / "out").exists()  # refused before the results directory and any request
 
 
-def test_the_packaged_comparison_loads_this_engine_beside_llama_server() -> None:
-    config = load_config(DEMO.parent / "compare.toml")
+@pytest.mark.parametrize("name", ["compare.toml", "compare_long.toml"])
+def test_the_packaged_comparison_loads_this_engine_beside_llama_server(name: str) -> None:
+    config = load_config(DEMO.parent / name)
     engine, llama = config.servers
     assert (engine.name, engine.api, llama.name, llama.api) == ("engine", "engine.v1", "llama-server", "openai")
     assert engine.launch is not None and llama.launch is not None
-    assert "--dtype" not in engine.launch.command  # the engine's own defaults
-    assert {"{llama_server}", "{smollm2_gguf}", "--no-repack"} <= set(llama.launch.command)
-    assert config.workload.concurrency == (1, 8, 32) and config.workload.requests_per_point >= 32
+    assert not {"--dtype", "--quantize", "--max-prefill-tokens"} & set(engine.launch.command)  # the engine's defaults
+    assert {"{llama_server}", "{smollm2_gguf}", "--no-repack", "-t", "-np"} <= set(llama.launch.command)
+    # every slot of llama-server holds a prompt and its output, and so does the engine's context
+    slots = int(llama.launch.command[llama.launch.command.index("-np") + 1])
+    slot_tokens = int(llama.launch.command[llama.launch.command.index("-c") + 1]) // slots
+    engine_context = int(engine.launch.command[engine.launch.command.index("--max-context") + 1])
+    longest = max(config.workload.context_tokens) + max(config.workload.max_new_tokens)
+    assert longest <= slot_tokens and longest <= engine_context
+    if name == "compare.toml":
+        assert config.workload.concurrency == (1, 8, 32) and config.workload.requests_per_point >= 32
+    else:
+        assert config.workload.context_tokens == (1024,) and config.workload.concurrency == (1,)

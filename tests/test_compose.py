@@ -36,8 +36,9 @@ def services() -> dict:
     return yaml.safe_load(COMPOSE.read_text())["services"]
 
 
-def flag(command: list[str], name: str) -> str:
-    return command[command.index(name) + 1]
+def flag(command: list[str], name: str) -> str | None:
+    """The value of `name` in `command`, None when the command leaves it to the engine's default."""
+    return command[command.index(name) + 1] if name in command else None
 
 
 def engine_args(services: dict):
@@ -190,8 +191,9 @@ def test_the_compose_sweep_keeps_the_demo_grid_and_engine():
     assert compose["workload"] == demo["workload"] and compose.get("policy") == demo.get("policy")
     assert compose["preview"] == demo["preview"], "the stack's bench log shows the demo's answer too"
     engine = yaml.safe_load(COMPOSE.read_text())["services"]["engine"]["command"]
-    for name in ("--model", "--dtype", "--max-context"):  # the context limit makes the demo's skipped points
+    for name in ("--model", "--dtype", "--quantize", "--max-context"):  # the context limit makes the demo's skips
         assert flag(demo["engine"]["command"], name) == flag(engine, name), name
+    assert flag(engine, "--dtype") is None and flag(engine, "--quantize") is None  # auto: chosen from the CPU
 
 
 def test_otlp_from_both_services_goes_to_jaeger(services):
