@@ -143,7 +143,9 @@ def median_tpot(threads: list[Steady], engine_side: bool = False, started_before
 def run(quick: bool) -> Row:
     stalled_n, storm_s = (2, 4.0) if quick else (8, 15.0)
     checks = Checks()
-    with EngineProcess("--model", "tiny", "--max-batch", "16", "--max-context", "16384", "--max-new-tokens",
+    # float32: the steady streams' greedy tokens must not depend on the batch around them, which in
+    # bfloat16 (what --dtype auto picks on a CPU with native bfloat16) they may, by rounding
+    with EngineProcess("--model", "tiny", "--dtype", "float32", "--max-batch", "16", "--max-context", "16384", "--max-new-tokens",
                        str(LONG_NEW), "--queue-capacity", "1024", "--stall-seconds", "1") as engine:
         stub = engine.stub()
         baselines = {p: collect(stub.Decode(pb.DecodeRequest(prompt_text=p, max_new_tokens=STEADY_NEW,

@@ -118,13 +118,9 @@ class DecodeLoop:
             p.seq.cache_len = p.chunk.start + p.chunk.length
             prefix.offer(p.seq.request.prompt_ids, cache, p.chunk.row, p.seq.cache_len)
         producing = decoding + [p.seq for p in prefills if p.completes]
-        if drafts is None:
-            tokens = [[t] for t in sample(logits, [s.request.sampling for s in producing],
-                                          [s.generator for s in producing])]
-            self.prefill_budget.observe(len(decoding), sum(p.chunk.length for p in prefills),
-                                        time.perf_counter() - started)
-        else:
-            tokens = Speculator.choose(logits, producing, drafts)
+        tokens = self._tokens(logits, producing, drafts)
+        if drafts is None:  # a verify step's time is no measure of a decode step's
+            self._time_prefill(len(decoding), sum(p.chunk.length for p in prefills), time.perf_counter() - started)
         # emit: one sequence failing is that sequence's business alone
         emitted_at = time.monotonic()
         doomed = self.faults.doomed_rows(self.steps, [s.request_id for s in producing],
@@ -148,6 +144,20 @@ class DecodeLoop:
         sched.remove_rows([sched.running.index(s) for s in finished], cache.move_row)
         sched.publish_load(prefix.stats())
         self._deliver(out)
+
+    @staticmethod
+    def _tokens(logits: torch.Tensor, producing: list[Sequence], drafts: list[list[int]] | None) -> list[list[int]]:
+        """Each producing sequence's tokens this step: one sampled, or a verified draft's several."""
+        if drafts is not None:
+            return Speculator.choose(logits, producing, drafts)
+        return [[t] for t in sample(logits, [s.request.sampling for s in producing], [s.generator for s in producing])]
+
+    def _time_prefill(self, decoding: int, fed: int, seconds: float) -> None:
+        """Give a plain step's time to the prefill budget, which adapts to it."""
+        self.prefill_budget.observe(decoding, fed, seconds)
+        if fed and decoding:
+            log.debug("prefill_step", decoding=decoding, tokens=fed, budget=self.scheduler.prefill_token_budget,
+                      ms=round(seconds * 1000, 1), **self.prefill_budget.describe())
 
     def _start(self, seq: Sequence, row: int, now: float) -> None:
         """A sequence's prefill begins: its generator, and the cached prefix of its prompt."""

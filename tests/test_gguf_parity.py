@@ -136,7 +136,9 @@ def test_smollm2_greedy_over_grpc_matches_transformers(smollm2_hf) -> None:  # t
     hf_tokenizer, hf = smollm2_hf
     prompts = [hf_tokenizer(text)["input_ids"] for text in SMOLLM2_PROMPTS]
     expected = [hf_greedy(hf, prompt, 12) for prompt in prompts]
-    with EngineProcess("--model", "smollm2", "--dtype", "float32", "--max-batch", "4", "--max-context", "128") as proc:
+    # the file dequantized into float32, as transformers does (no int4 copies: --quantize auto would serve them)
+    with EngineProcess("--model", "smollm2", "--dtype", "float32", "--quantize", "none", "--max-batch", "4",
+                       "--max-context", "128") as proc:
         assert _concurrent_greedy(proc.port, prompts, 12) == expected
 
 
@@ -185,7 +187,8 @@ def test_written_qwen2_gguf_greedy_over_grpc_matches_transformers(tmp_path: Path
     tokenizer = hf_gguf_tokenizer(path)
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     expected = [hf_greedy(hf, prompt, 16) for prompt in prompts]
-    with EngineProcess("--model", str(path), "--dtype", "float32", "--max-batch", "8", "--max-context", "128") as proc:
+    with EngineProcess("--model", str(path), "--dtype", "float32", "--quantize", "none", "--max-batch", "8",
+                       "--max-context", "128") as proc:
         assert _concurrent_greedy(proc.port, prompts, 16) == expected
 
 
@@ -231,7 +234,7 @@ def test_every_end_token_the_metadata_names_ends_generation(tmp_path: Path) -> N
     path = write_gguf(directory, tmp_path / "eot.gguf", GGMLQuantizationType.F16,
                       metadata={"tokenizer.ggml.eot_token_id": free_run[stop_at]})
     assert load_model(str(path), CPU, torch.float32).config.stop_token_ids == (eos, free_run[stop_at])
-    with EngineProcess("--model", str(path), "--max-context", "128") as proc, \
+    with EngineProcess("--model", str(path), "--dtype", "float32", "--max-context", "128") as proc, \
             grpc.insecure_channel(proc.address) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         request = pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_new_tokens=12)

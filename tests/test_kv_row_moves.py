@@ -53,7 +53,7 @@ class Recorder:
         self.moves.append((a, b, -1))
         self.runner.cache.swap_rows(a, b, length_a, length_b)
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill]) -> torch.Tensor:
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> torch.Tensor:
         logits = self.runner.forward(decoding, prefills)
         producing = decoding + [p.seq for p in prefills if p.completes]
         for row, seq in enumerate(producing):

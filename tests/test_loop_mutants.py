@@ -39,7 +39,7 @@ class OneHotRunner:
     def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
         del a, b, length_a, length_b
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill]) -> torch.Tensor:
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> torch.Tensor:
         self.forwards += 1
         logits = torch.zeros(len(decoding) + sum(p.completes for p in prefills), 8)
         logits[:, 1] = 1.0
@@ -49,7 +49,7 @@ class OneHotRunner:
 class ExtraRowRunner(OneHotRunner):
     """A runner with a shape bug: one row of logits more than sequences running."""
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill]) -> torch.Tensor:
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> torch.Tensor:
         return torch.zeros(len(decoding) + sum(p.completes for p in prefills) + 1, 8)
 
 

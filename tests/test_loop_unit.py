@@ -40,7 +40,7 @@ class FakeRunner:
         self.cache = FakeCache()
         self.forwards: list[tuple[list[str], int]] = []
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill]) -> torch.Tensor:
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> torch.Tensor:
         """(the decoding rows and the prefilling ones, how many decode) for each forward"""
         self.forwards.append(([s.request_id for s in decoding] + [p.seq.request_id for p in prefills], len(decoding)))
         producing = decoding + [p.seq for p in prefills if p.completes]

@@ -27,7 +27,8 @@ def test_grpc_greedy_equals_transformers_generate(arch, tmp_path, start_engine):
     reference = hf_model(directory)
     prompts = [load_tokenizer_for(directory).encode(text) for text in PROMPTS]
     expected = [hf_greedy(reference, prompt, NEW_TOKENS) for prompt in prompts]
-    proc = start_engine("--model", str(directory), "--max-batch", "8", "--max-context", "256")
+    # float32 as the reference computes (--dtype auto would pick bfloat16 on a CPU with native bfloat16)
+    proc = start_engine("--model", str(directory), "--dtype", "float32", "--max-batch", "8", "--max-context", "256")
     info = proc.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
     assert info.tokenizer == "tokenizer.json" and info.model == directory.name
 

@@ -1,0 +1,178 @@
+"""Speculation inside the decode loop (speculator.py and the loop's multi-token emit), in-process
+and in milliseconds: a fake model whose greedy continuation is periodic, so that prompt lookup
+finds it, over a real Scheduler and DecodeLoop."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_service.faults import FaultInjector, FaultPlan
+from engine_service.loop import DecodeLoop, Emission
+from engine_service.requests import Request, SamplingParams
+from engine_service.scheduler import Prefill, Scheduler
+from engine_service.sequence import Sequence
+from engine_service.speculative import SpeculativeConfig
+from engine_service.speculator import Speculator
+
+VOCAB = 16
+PERIOD = 5  # the fake model's text repeats every 5 tokens
+
+
+def continuation(seq: Sequence, at: int) -> int:
+    """The fake model's argmax after the first `at` tokens of `seq`'s text."""
+    return (seq.request.prompt_ids[0] + at) % PERIOD
+
+
+class FakeCache:
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        pass
+
+    def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        pass
+
+
+class SpeculatingRunner:
+    """One-hot logits of `continuation`; with drafts, 1 + len(draft) rows per decoding row, row j
+    predicting the token after the row's text and its first j draft tokens (as the real runner)."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.cache = FakeCache()
+        self.drafts_seen: list[list[list[int]] | None] = []
+
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill],
+                drafts: list[list[int]] | None = None) -> torch.Tensor:
+        self.drafts_seen.append(drafts)
+        rows = []
+        for i, seq in enumerate(decoding):
+            for j in range(1 + (len(drafts[i]) if drafts is not None else 0)):
+                rows.append(continuation(seq, seq.total_len + j))
+        rows += [continuation(p.seq, len(p.seq.request.prompt_ids)) for p in prefills if p.completes]
+        logits = torch.zeros(len(rows), VOCAB)
+        logits[torch.arange(len(rows)), torch.tensor(rows, dtype=torch.long)] = 1.0
+        return logits
+
+
+def request(request_id: str, first: int, max_new: int, stop: frozenset[int] = frozenset()) -> Request:
+    # the prompt is the model's own text, so lookup has something to match from the start
+    prompt = tuple((first + i) % PERIOD for i in range(12))
+    return Request(request_id=request_id, prompt_ids=prompt, max_new_tokens=max_new, sampling=SamplingParams(),
+                   stop_token_ids=stop, ignore_eos=True, deadline=None)
+
+
+def run(requests: list[Request], speculator: Speculator | None,
+        max_batch: int = 8) -> tuple[dict[str, list[int]], list[Emission], SpeculatingRunner, list[Sequence]]:
+    runner = SpeculatingRunner()
+    scheduler = Scheduler(max_batch=max_batch, max_context=256, queue_capacity=16, queue_retry_seconds=0.5,
+                          prefill_token_budget=1024)
+    delivered: list[list[Emission]] = []
+
+    def fatal(exc: BaseException) -> None:
+        raise AssertionError(f"the loop called on_fatal: {exc!r}")
+
+    loop = DecodeLoop(runner, scheduler, FaultInjector(FaultPlan()), frozenset({15}), delivered.append,  # type: ignore[arg-type]
+                      on_fatal=fatal, speculator=speculator)
+    seqs = [Sequence(r, sink=None) for r in requests]
+    for s in seqs:
+        scheduler.submit(s)
+    for _ in range(200):
+        if not scheduler.running and not scheduler.waiting_count():
+            break
+        loop.step()
+        for s in scheduler.running[:scheduler.decoding]:
+            assert s.cache_len == s.total_len - 1  # every input is in the cache but the newest token
+    emissions = [e for step in delivered for e in step]
+    tokens = {s.request_id: list(s.generated) for s in seqs}
+    return tokens, emissions, runner, seqs
+
+
+def plain(first: int, max_new: int) -> list[int]:
+    return [(first + 12 + i) % PERIOD for i in range(max_new)]
+
+
+def test_greedy_tokens_equal_plain_decodings_and_drafts_are_accepted() -> None:
+    requests = [request("a", 0, 23), request("b", 2, 7), request("c", 4, 1)]
+    tokens, emissions, runner, seqs = run(requests, Speculator(SpeculativeConfig(num_tokens=4)))
+    assert tokens == {"a": plain(0, 23), "b": plain(2, 7), "c": plain(4, 1)}
+    assert tokens == run(requests, None)[0]
+    a = seqs[0]
+    assert a.draft_tokens > 0 and a.accepted_tokens == a.draft_tokens  # the fake model always agrees
+    # after the first token, each step gives the row its draft (up to 4) and the token after it
+    assert max(len(e.tokens) for e in emissions) == 5
+    assert sum(len(e.tokens) for e in emissions if e.seq is a) == 23
+    assert [e.finish is not None for e in emissions if e.seq is a][-1]
+
+
+def test_a_draft_never_runs_past_max_new_tokens() -> None:
+    for max_new in range(1, 12):
+        tokens, _, runner, _ = run([request("a", 1, max_new)], Speculator(SpeculativeConfig(num_tokens=6)))
+        assert tokens["a"] == plain(1, max_new)
+        for drafts in runner.drafts_seen:
+            assert drafts is None or all(len(d) <= 6 for d in drafts)
+
+
+def test_a_stop_token_inside_a_draft_ends_the_sequence_there() -> None:
+    stop = frozenset({plain(0, 9)[8]})  # first produced at the 4th token (the text has period 5)
+    tokens, emissions, _, seqs = run([request("a", 0, 40, stop=stop)], Speculator(SpeculativeConfig(num_tokens=6)))
+    first_stop = plain(0, 40).index(next(iter(stop)))
+    assert tokens["a"] == plain(0, 40)[:first_stop + 1]
+    assert emissions[-1].finish is not None and emissions[-1].tokens[-1] in stop
+
+
+def test_wrong_drafts_are_cut_at_the_first_mismatch() -> None:
+    class Contrarian(SpeculatingRunner):
+        """The model disagrees with every draft's second token."""
+
+        def forward(self, decoding, prefills, drafts=None):  # type: ignore[no-untyped-def]
+            logits = super().forward(decoding, prefills, drafts)
+            if drafts is not None:
+                at = 0
+                for draft in drafts:
+                    if len(draft) >= 2:
+                        logits[at + 1] = torch.roll(logits[at + 1], 1)  # row 1 predicts draft[1]: now another
+                    at += 1 + len(draft)
+            return logits
+
+    speculator = Speculator(SpeculativeConfig(num_tokens=4))
+    runner = Contrarian()
+    scheduler = Scheduler(max_batch=2, max_context=256, queue_capacity=4, queue_retry_seconds=0.5,
+                          prefill_token_budget=1024)
+    delivered: list[list[Emission]] = []
+    loop = DecodeLoop(runner, scheduler, FaultInjector(FaultPlan()), frozenset({15}), delivered.append,  # type: ignore[arg-type]
+                      on_fatal=lambda exc: None, speculator=speculator)
+    seq = Sequence(request("a", 3, 10), sink=None)
+    scheduler.submit(seq)
+    loop.step()  # prefill: the first token
+    loop.step()  # a draft of 4: the first accepted, the second refused and replaced
+    assert delivered[-1][0].tokens == (plain(3, 10)[1], (plain(3, 10)[2] + 1) % PERIOD)
+    assert (seq.draft_tokens, seq.accepted_tokens) == (4, 1)
+    assert seq.cache_len == seq.total_len - 1
+
+
+def test_no_speculation_above_max_rows() -> None:
+    lengths = [3, 12, 12, 12, 12]
+    requests = [request(f"r{i}", i % PERIOD, n) for i, n in enumerate(lengths)]
+    tokens, _, runner, _ = run(requests, Speculator(SpeculativeConfig(num_tokens=3), max_rows=4))
+    assert tokens == {f"r{i}": plain(i % PERIOD, n) for i, n in enumerate(lengths)}
+    assert runner.drafts_seen[1] is None  # 5 rows decoding: a plain step
+    assert any(d is not None and len(d) <= 4 for d in runner.drafts_seen)  # as rows finish, it speculates
+
+
+def test_speculator_drafts_and_choose_directly() -> None:
+    speculator = Speculator(SpeculativeConfig(num_tokens=3, min_n=2, max_n=2), max_rows=2)
+    seq = Sequence(request("a", 0, 10), sink=None)
+    seq.generated = [2, 3]  # text ... 0 1 2 3 4 0 1 2 3 4 0 1 | 2 3
+    assert speculator.drafts([]) is None
+    assert speculator.drafts([seq]) == [[4, 0, 1]]
+    assert speculator.drafts([seq, seq, seq]) is None  # over max_rows
+    seq.generated = [2, 3] + [4] * 6  # 8 of 10 generated: room for one token after this step's first
+    seq.ngram = None
+    assert speculator.drafts([seq]) is None or all(len(d) <= 1 for d in speculator.drafts([seq]))
+    other = Sequence(request("b", 0, 10), sink=None)
+    logits = torch.zeros(4 + 1, VOCAB)
+    for row, token in enumerate([4, 0, 2, 9]):
+        logits[row, token] = 1.0
+    logits[4, 7] = 1.0  # the completing prefill's row
+    out = Speculator.choose(logits, [seq, other], [[4, 0, 1]])
+    assert out == [[4, 0, 2], [7]]
+    assert (seq.draft_tokens, seq.accepted_tokens) == (3, 2)
