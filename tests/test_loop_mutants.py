@@ -15,9 +15,15 @@ import pytest
 import torch
 
 from engine_service import loop as loop_module
+from engine_service.config import BLOCK_TOKENS
 from engine_service.faults import FaultInjector, FaultPlan
 from engine_service.loop import FATAL_EXIT_CODE, DecodeLoop, Emission, set_threads
+from engine_service.model.kv_cache import KVCache, PromptChunk
+from engine_service.model.presets import PRESETS
+from engine_service.prefill_budget import PrefillBudget
+from engine_service.prefix_cache import PrefixCache, PrefixCacheStats
 from engine_service.requests import Request, SamplingParams
+from engine_service.sampler import new_generator
 from engine_service.scheduler import Prefill, Scheduler
 from engine_service.sequence import FinishReason, Sequence
 from shared.errors import DeadlineExceeded, SequenceError
@@ -241,3 +247,186 @@ def test_set_threads_sets_torch_threads_unless_zero() -> None:
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+# -- the prefill budget, the prefill_step event, the generator's device (found by `make mutate`) ------
+
+STEP_SECONDS = 0.01234
+
+
+class Clock:
+    """Stands in for the loop's `time` module: perf_counter advances STEP_SECONDS a call, so every
+    step the loop times (two calls: before its forward, after its sampling) takes STEP_SECONDS."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.monotonic = time.monotonic
+
+    def perf_counter(self) -> float:
+        self.calls += 1
+        return 100.0 + self.calls * STEP_SECONDS
+
+
+class SpyBudget(PrefillBudget):
+    """The adaptive budget, recording what the loop asks and tells it."""
+
+    def __init__(self) -> None:
+        super().__init__(None, 4096)
+        self.calls: list[tuple[object, ...]] = []
+        self.answers: list[int] = []
+
+    def tokens(self, decoding: int) -> int:
+        self.calls.append(("tokens", decoding))
+        self.answers.append(super().tokens(decoding))
+        return self.answers[-1]
+
+    def observe(self, decoding: int, prefill_tokens: int, seconds: float) -> None:
+        self.calls.append(("observe", decoding, prefill_tokens, round(seconds, 9)))
+        super().observe(decoding, prefill_tokens, seconds)
+
+
+def budget_harness(monkeypatch: pytest.MonkeyPatch, budget: PrefillBudget) -> Harness:
+    monkeypatch.setattr(loop_module, "time", Clock())
+    h = Harness()
+    h.loop = DecodeLoop(OneHotRunner(), h.sched, FaultInjector(FaultPlan()), frozenset(), h.delivered.append,  # type: ignore[arg-type]
+                        on_fatal=lambda exc: pytest.fail(f"on_fatal: {exc!r}"), prefill_budget=budget)
+    return h
+
+
+def test_each_step_asks_the_budget_for_its_decoding_rows_and_tells_it_the_steps_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    budget = SpyBudget()
+    h = budget_harness(monkeypatch, budget)
+    h.submit(request("a", max_new=5))
+    h.step()  # a prefills alone
+    h.submit(request("b", max_new=5))
+    h.step()  # a decodes, b prefills beside it
+    h.step()  # both decode
+    assert budget.calls == [
+        ("tokens", 0), ("observe", 0, 2, STEP_SECONDS),
+        ("tokens", 1), ("observe", 1, 2, STEP_SECONDS),
+        ("tokens", 2), ("observe", 2, 0, STEP_SECONDS),
+    ]
+    assert h.sched.prefill_token_budget == budget.answers[-1]  # each step plans with what the budget said
+    assert budget.describe()["decode_ms"] == {2: 12.34}
+
+
+def test_a_step_that_prefills_beside_decoding_rows_logs_prefill_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    budget = PrefillBudget(48, 16)
+    h = budget_harness(monkeypatch, budget)
+    log = Recorder()
+    monkeypatch.setattr(loop_module, "log", log)
+    h.submit(request("a", max_new=5))
+    h.step()  # a prefills alone: nobody waits on it, no event
+    h.step()  # a decodes alone: no event
+    assert log.calls == []
+    h.submit(request("b", max_new=5))
+    h.step()
+    estimates = {"fixed": 48, "token_ms_idle": 6.17, "decode_ms": {1: 12.34}}  # 12.34 ms for a's 2 prompt tokens
+    assert budget.describe() == estimates
+    assert log.calls == [("debug", "prefill_step", {"decoding": 1, "tokens": 2, "budget": 48, "ms": 12.3,
+                                                     **estimates})]
+
+
+def test_a_sequences_generator_is_made_for_the_runners_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    devices: list[object] = []
+
+    def recording(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+        devices.append(device)
+        return new_generator(params, device)
+
+    monkeypatch.setattr(loop_module, "new_generator", recording)
+    h = Harness()
+    h.submit(request("s", sampling=SamplingParams(temperature=1.0, seed=7)))
+    h.step()
+    assert devices == [torch.device("cpu")]  # OneHotRunner's; on CUDA, the draws need a CUDA generator
+
+
+# -- the prefix cache in the loop, with a real KV cache ------------------------------------------
+
+MAX_CONTEXT = 64
+
+
+def kv_value(token: int, position: int) -> float:
+    """The key the fake model computes for `token` at `position` (its value is the negative)."""
+    return token * 1000.0 + position
+
+
+def kv_of(tokens: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """(layers, KV heads, len(tokens), head dim) of the keys `KVRunner` writes for `tokens` from position 0."""
+    config = PRESETS["tiny"]
+    column = torch.tensor([kv_value(t, p) for p, t in enumerate(tokens)])
+    return column[None, None, :, None].expand(config.num_hidden_layers, config.num_key_value_heads, len(tokens),
+                                              config.dim_per_head)
+
+
+class KVRunner:
+    """A real KVCache (the tiny preset's shape) that each forward writes as a model would: every
+    input token's key (`kv_value`) and value at its position in its row. Greedy logits: the next
+    token is 3 + (the text's length x 7) mod 50."""
+
+    def __init__(self, max_batch: int) -> None:
+        self.device = torch.device("cpu")
+        self.cache = KVCache(PRESETS["tiny"], max_batch, MAX_CONTEXT, torch.float32, self.device)
+        self.chunks: list[tuple[str, PromptChunk]] = []
+
+    def _write(self, row: int, start: int, tokens: tuple[int, ...] | list[int]) -> None:
+        for i, token in enumerate(tokens):
+            self.cache.k[:, row, :, start + i] = kv_value(token, start + i)
+            self.cache.v[:, row, :, start + i] = -kv_value(token, start + i)
+
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> torch.Tensor:
+        for row, seq in enumerate(decoding):
+            self._write(row, seq.total_len - 1, seq.generated[-1:])
+        for p in prefills:
+            self.chunks.append((p.seq.request_id, p.chunk))
+            self._write(p.chunk.row, p.chunk.start, p.seq.request.prompt_ids[p.chunk.start:p.chunk.start + p.chunk.length])
+        producing = decoding + [p.seq for p in prefills if p.completes]
+        logits = torch.zeros(len(producing), 64)
+        for row, seq in enumerate(producing):
+            logits[row, 3 + seq.total_len * 7 % 50] = 1.0
+        return logits
+
+
+def prefix_harness(prefix: PrefixCache) -> tuple[Harness, KVRunner]:
+    runner = KVRunner(max_batch=2)
+    h = Harness()
+    h.sched = Scheduler(max_batch=2, max_context=MAX_CONTEXT, queue_capacity=4, queue_retry_seconds=0.5,
+                        prefill_token_budget=64)
+    h.loop = DecodeLoop(runner, h.sched, FaultInjector(FaultPlan()), frozenset(), h.delivered.append,  # type: ignore[arg-type]
+                        on_fatal=lambda exc: pytest.fail(f"on_fatal: {exc!r}"), prefix_cache=prefix)
+    return h, runner
+
+
+def test_the_loop_stores_prompt_and_answer_blocks_and_reuses_them_in_the_new_row() -> None:
+    prefix = PrefixCache(4 * BLOCK_TOKENS)
+    h, runner = prefix_harness(prefix)
+    assert h.sched.load.prefix_cache == PrefixCacheStats(0, 64, 0, 0)  # published from the start
+    first, = h.submit(Request(request_id="first", prompt_ids=tuple(range(100, 120)), max_new_tokens=14,
+                              sampling=SamplingParams(), stop_token_ids=frozenset(), ignore_eos=True, deadline=None))
+    h.step()  # its prompt: one full block stored, from its row
+    assert h.sched.load.prefix_cache == PrefixCacheStats(16, 64, 20, 0)
+    while h.sched.running:
+        h.step()
+    text = first.request.prompt_ids + tuple(first.generated)  # 34 tokens, 33 of them in the cache
+    assert h.sched.load.prefix_cache.used_tokens == 32  # its answer's first block too, when it finished
+    h.submit(request("other", max_new=30))  # decodes in row 0 (which held "first") while "next" is admitted
+    h.step()
+    next_, = h.submit(Request(request_id="next", prompt_ids=text[:32] + (7, 8, 9, 10), max_new_tokens=2,
+                              sampling=SamplingParams(), stop_token_ids=frozenset(), ignore_eos=True, deadline=None))
+    h.step()
+    assert next_.cached_tokens == 32
+    assert runner.chunks[-1] == ("next", PromptChunk(1, 32, 4))  # only the rest of its prompt is prefilled
+    cache = runner.cache
+    assert torch.equal(cache.k[:, 1, :, :36], kv_of(next_.request.prompt_ids))  # copied into its own row
+    assert torch.equal(cache.v[:, 1, :, :36], -kv_of(next_.request.prompt_ids))
+    assert torch.equal(cache.k[:, 0, :, :2], kv_of((2, 3)))  # "other"'s row untouched
+    assert h.sched.load.prefix_cache == PrefixCacheStats(32, 64, 20 + 2 + 36, 32)
+
+
+def test_an_idle_step_publishes_the_prefix_caches_stats_as_they_are() -> None:
+    prefix = PrefixCache(4 * BLOCK_TOKENS)
+    h, runner = prefix_harness(prefix)
+    prefix.offer(tuple(range(16)), runner.cache, 0, 16)  # warmed by someone else since the loop published
+    h.step()  # nothing to run
+    assert h.sched.load.prefix_cache == PrefixCacheStats(16, 64, 0, 0)

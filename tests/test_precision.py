@@ -113,3 +113,9 @@ def test_auto_is_the_default_and_refusals_name_the_value() -> None:
         EngineConfig(dtype="fp8")
     with pytest.raises(ValueError, match="quantize must be one of auto, none, int8, int4, got 'q4'"):
         EngineConfig(quantize="q4")
+
+
+def test_the_cuda_reasons_are_exact() -> None:
+    assert choose_dtype("auto", "cuda:0", cpu(EPYC, "AVX2")) == ("bfloat16", "dtype bfloat16: auto on CUDA")
+    assert choose_quantize("auto", "cuda", "Q4_1") == (
+        "none", "quantize none: auto on CUDA (the weight-only kernels are CPU ones)")

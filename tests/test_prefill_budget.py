@@ -1,12 +1,10 @@
-"""The per-step prefill budget adapted from the step times the decode loop sees (prefill_budget.py)."""
+"""The per-step prefill budget adapted from the step times the decode loop sees (prefill_budget.py):
+(STALL_FACTOR - 1) decode-only steps' worth of prompt tokens, each taken to cost CHUNK_COST idle ones."""
 
 from __future__ import annotations
 
-import pytest
-
 from engine_service.prefill_budget import (
-    IDLE_PRIOR,
-    MAX_GROWTH,
+    CHUNK_COST,
     MIN_TOKENS,
     STALL_FACTOR,
     START_TOKENS,
@@ -14,72 +12,45 @@ from engine_service.prefill_budget import (
 )
 
 
+def expected(decode: float, token_idle: float) -> int:
+    return int((STALL_FACTOR - 1) * decode / (CHUNK_COST * token_idle))
+
+
 def test_a_fixed_budget_ignores_the_step_times() -> None:
     budget = PrefillBudget(96, 2048)
     budget.observe(8, 0, 0.030)
-    budget.observe(8, 96, 1.0)
+    budget.observe(0, 96, 1.0)
     assert budget.tokens(8) == 96
 
 
-def test_before_anything_is_timed_the_start_budget_serves() -> None:
+def test_before_both_costs_are_timed_the_start_budget_serves() -> None:
     budget = PrefillBudget(None, 2048)
     assert budget.tokens(8) == START_TOKENS
     budget.observe(8, 0, 0.030)  # a decode step, but no prefill cost yet
     assert budget.tokens(8) == START_TOKENS
-    budget.observe(8, 50, 0.2)  # a prefilling step with no decode step timed at any row count: no feedback
-    assert PrefillBudget(None, 2048).tokens(1) == START_TOKENS
+    budget = PrefillBudget(None, 2048)
+    budget.observe(0, 500, 0.500)  # a prefill cost, but no decode step yet
+    assert budget.tokens(8) == START_TOKENS
 
 
-def test_the_idle_prefill_cost_stands_in_until_a_prefilling_step_is_timed() -> None:
+def test_the_budget_is_stall_factor_decode_steps_of_chunk_tokens() -> None:
     budget = PrefillBudget(None, 4096)
     budget.observe(8, 0, 0.040)
     budget.observe(0, 500, 0.500)  # 1 ms a token with nothing decoding
-    assert budget.tokens(8) == int((STALL_FACTOR - 1) * 0.040 / (0.001 * IDLE_PRIOR)) == 40
+    assert budget.tokens(8) == expected(0.040, 0.001) > MIN_TOKENS
+    budget.observe(8, 64, 5.0)  # a step that prefills beside decoding rows changes neither cost
+    assert budget.tokens(8) == expected(0.040, 0.001)
 
 
-def affine(fixed: float, per_token: float, decode: float = 0.040):  # type: ignore[no-untyped-def]
-    """A machine whose prefilling step costs decode + fixed + per_token x tokens."""
-    return lambda tokens: decode + fixed + per_token * tokens
-
-
-@pytest.mark.parametrize(("fixed", "per_token"), [(0.0, 0.0005), (0.030, 0.0005), (0.010, 0.004), (0.0, 0.00001)])
-def test_the_feedback_settles_where_a_prefilling_step_takes_stall_factor_decode_steps(
-        fixed: float, per_token: float) -> None:
-    step = affine(fixed, per_token)
-    budget = PrefillBudget(None, 4096)
-    budget.observe(8, 0, 0.040)
-    for _ in range(40):
-        tokens = budget.tokens(8)
-        budget.observe(8, tokens, step(tokens))
-    settled = budget.tokens(8)
-    wanted = min(4096, ((STALL_FACTOR - 1) * 0.040 - fixed) / per_token)
-    assert settled == pytest.approx(wanted, rel=0.05, abs=2)
-    if wanted < 4096:
-        assert step(settled) == pytest.approx(STALL_FACTOR * 0.040, rel=0.05)
-
-
-def test_the_budget_at_most_doubles_a_step_and_stays_within_its_bounds() -> None:
+def test_the_budget_stays_within_its_floor_and_max_tokens() -> None:
     budget = PrefillBudget(None, 300)
     budget.observe(1, 0, 0.010)
-    budget.observe(1, 20, 0.010)  # no excess at all
-    assert budget.tokens(1) == int(20 * MAX_GROWTH)
-    for _ in range(10):
-        budget.observe(1, budget.tokens(1), 0.010)
-    assert budget.tokens(1) == 300  # capped at max_tokens
-    budget.observe(1, 300, 100.0)  # far over the target
-    assert MIN_TOKENS <= budget.tokens(1) < 300
-    for _ in range(20):
-        budget.observe(1, budget.tokens(1), 100.0)
+    budget.observe(0, 100, 10.0)  # 100 ms a token: a fraction of one token fits
     assert budget.tokens(1) == MIN_TOKENS
-
-
-def test_a_fixed_cost_above_the_target_shrinks_the_budget_to_its_floor() -> None:
-    step = affine(fixed=0.200, per_token=0.001)  # the fixed part alone exceeds 2 decode steps
-    budget = PrefillBudget(None, 4096)
-    budget.observe(8, 0, 0.040)
-    for _ in range(30):
-        budget.observe(8, budget.tokens(8), step(budget.tokens(8)))
-    assert budget.tokens(8) == MIN_TOKENS
+    budget = PrefillBudget(None, 300)
+    budget.observe(1, 0, 1.0)
+    budget.observe(0, 100, 0.001)  # 10 us a token: far more than max_tokens fit
+    assert budget.tokens(1) == 300
 
 
 def test_the_decode_step_of_the_nearest_row_count_serves_and_averages_move() -> None:
@@ -87,11 +58,35 @@ def test_the_decode_step_of_the_nearest_row_count_serves_and_averages_move() -> 
     budget.observe(4, 0, 0.020)
     budget.observe(4, 0, 0.030)  # averaged: 0.020 + 0.3 * 0.010
     budget.observe(16, 0, 0.050)
+    budget.observe(0, 0, 9.0)  # a step that ran nothing times nothing
     assert budget.describe()["decode_ms"] == {4: 23.0, 16: 50.0}
-    # a prefilling step beside 15 rows is measured against 16's decode step: excess 100 ms = the target
-    budget.observe(15, 64, 0.050 + (STALL_FACTOR - 1) * 0.050)
-    assert budget.tokens(15) == 64
-    # beside 5 rows, against 4's (23 ms): the same step is far over the target
-    budget.observe(5, 64, 0.050 + (STALL_FACTOR - 1) * 0.050)
-    assert budget.tokens(5) == int(64 * ((STALL_FACTOR - 1) * 0.023 / (0.050 + 0.100 - 0.023)) ** 0.5)
-    assert budget.describe()["fed"] == budget.tokens(5)
+    budget.observe(0, 1000, 0.100)  # 0.1 ms a token
+    assert budget.tokens(15) == expected(0.050, 0.0001)  # nearest: 16 rows
+    assert budget.tokens(5) == expected(0.023, 0.0001)  # nearest: 4 rows
+    assert budget.tokens(10) == expected(0.023, 0.0001)  # 6 from either: the fewer rows
+    assert budget.tokens(16) == expected(0.050, 0.0001)
+
+
+# -- found by `make mutate` (docs/mutation-testing.md) -------------------------------------------
+
+def test_describe_gives_each_estimate_in_milliseconds_to_the_microsecond() -> None:
+    budget = PrefillBudget(None, 4096)
+    assert budget.describe() == {"fixed": None, "token_ms_idle": None, "decode_ms": {}}
+    budget.observe(0, 1000, 1.2345678)  # 1.2345678 ms a token
+    budget.observe(3, 0, 0.0456789)
+    assert budget.describe() == {"fixed": None, "token_ms_idle": 1.235, "decode_ms": {3: 45.679}}
+    assert PrefillBudget(96, 4096).describe()["fixed"] == 96
+
+
+def test_the_idle_prefill_cost_is_a_moving_average() -> None:
+    budget = PrefillBudget(None, 4096)
+    budget.observe(0, 100, 0.100)  # 1 ms a token
+    budget.observe(0, 100, 0.200)  # 2 ms a token: 1 + 0.3 x (2 - 1)
+    assert budget.describe()["token_ms_idle"] == 1.3
+
+
+def test_an_idle_prefill_timed_at_zero_seconds_leaves_the_start_budget() -> None:
+    budget = PrefillBudget(None, 4096)
+    budget.observe(8, 0, 0.040)
+    budget.observe(0, 100, 0.0)  # a clock too coarse to see it: no cost per token to divide by
+    assert budget.tokens(8) == START_TOKENS

@@ -164,6 +164,16 @@ def test_with_no_row_decoding_a_step_prefills_whole_prompts_up_to_the_idle_budge
     assert chunks(plans) == [("a", 0, 0, 1000, True), ("b", 1, 0, 1000, True), ("c", 2, 0, 48, False)]
 
 
+def test_the_idle_budget_is_the_largest_of_the_step_budget_max_context_and_idle_prefill_tokens():
+    # a prompt of 4,000 tokens, each time with 3,000 the largest of the three and 2,048 the smallest
+    for budget, max_context in ((3000, 64), (25, 3000)):
+        sched = Scheduler(max_batch=1, max_context=max_context, queue_capacity=2, queue_retry_seconds=0.25,
+                          prefill_token_budget=budget)
+        sched.submit(seq("long", prompt_len=4000))
+        sched.admit()
+        assert chunks(sched.plan_prefill(lambda s, row: None)) == [("long", 0, 0, 3000, False)], (budget, max_context)
+
+
 def test_a_prompt_longer_than_the_budget_takes_several_steps_and_completes_on_the_last():
     sched = scheduler(max_batch=3, queue_capacity=5, budget=12)
     decoding_row(sched)

@@ -209,3 +209,67 @@ def test_index_and_verify_validation_name_the_value() -> None:
     with pytest.raises(ValueError, match=r"logits must have shape \(len\(draft\) \+ 1, V\) = \(3, V\), got \(2, 5\)"):
         verify([1, 2], TARGET_LOGITS[:2], GREEDY, None)
     assert SpeculativeConfig() == SpeculativeConfig(method="ngram", num_tokens=4, min_n=2, max_n=4)
+
+
+# -- found by `make mutate` (docs/mutation-testing.md) -------------------------------------------
+
+def test_sampled_verify_draws_from_its_generator_alone() -> None:
+    """Seeded verification is reproducible: the acceptance draws, the resample after a rejection and
+    the bonus all come from the request's generator, so the global RNG's state changes nothing."""
+    params = SamplingParams(temperature=1.0, seed=21)
+    runs = []
+    with torch.random.fork_rng():
+        for global_seed in (1, 2):
+            torch.manual_seed(global_seed)
+            generator = new_generator(params, CPU)
+            runs.append([tuple(verify(draft, TARGET_LOGITS, params, generator))
+                         for _ in range(100) for draft in ([0, 3], [1, 1], [0, 0])])
+    assert runs[0] == runs[1]
+    assert {len(emitted) for emitted in runs[0]} == {1, 2, 3}  # rejected at row 0, at row 1, and a bonus
+
+
+def test_verify_with_an_empty_draft_is_seeded_sampling() -> None:
+    """No draft: the bonus token alone, drawn as `sample` draws it with an equally seeded generator."""
+    logits = random_logits(4, 1, 40, ties=False)
+    with torch.random.fork_rng():
+        for seed in range(20):
+            params = SamplingParams(temperature=0.9, top_p=0.95, seed=seed)
+            torch.manual_seed(1000 + seed)  # the global RNG is in another state for each call
+            got = verify([], logits, params, new_generator(params, CPU))
+            torch.manual_seed(seed)
+            assert got == sample(logits.clone(), [params], [new_generator(params, CPU)])
+
+
+def test_the_acceptance_draw_is_made_on_the_logits_device() -> None:
+    """Not on torch's default device, which an application embedding the engine may have changed
+    (on CUDA, a draw on the CPU device with a CUDA generator fails)."""
+    params = SamplingParams(temperature=1.0, seed=3)
+    want = verify([0, 3], TARGET_LOGITS, params, new_generator(params, CPU))
+    with torch.device("meta"):
+        assert verify([0, 3], TARGET_LOGITS, params, new_generator(params, CPU)) == want
+
+
+ZERO_DRAW_SEED = 5528393  # a CPU generator seeded with it draws exactly 0.0 first (mt19937's low 24 bits 0)
+
+
+def test_a_draft_token_without_mass_is_refused_even_by_a_zero_draw() -> None:
+    """Accept when the uniform draw is below p(x): a token outside the top-k (p = 0) is refused even
+    when the draw is exactly 0.0, which torch.rand can return."""
+    params = SamplingParams(temperature=1.0, top_k=2, seed=ZERO_DRAW_SEED)
+    assert float(torch.rand((), generator=new_generator(params, CPU))) == 0.0
+    emitted = verify([4], TARGET_LOGITS[:2], params, new_generator(params, CPU))
+    assert len(emitted) == 1 and emitted[0] in (0, 1)  # token 4 refused, replaced from the top 2
+
+
+def test_one_draft_token_is_a_valid_config() -> None:
+    assert SpeculativeConfig(num_tokens=1).num_tokens == 1
+
+
+def test_the_index_defaults_to_two_to_four_token_ngrams() -> None:
+    index = NgramIndex()
+    assert (index.min_n, index.max_n) == (2, 4)
+    index.extend([1, 2, 9, 1, 2])
+    assert index.propose(3) == [9, 1, 2]  # a 2-gram match is enough
+    index = NgramIndex()
+    index.extend([5, 1, 2, 3, 4, 7, 6, 1, 2, 3, 4, 8, 5, 1, 2, 3, 4])
+    assert index.propose(1) == [8]  # the latest 4-gram [1, 2, 3, 4], not the 5-gram [5, 1, 2, 3, 4] at the start

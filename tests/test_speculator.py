@@ -8,10 +8,12 @@ import torch
 
 from engine_service.faults import FaultInjector, FaultPlan
 from engine_service.loop import DecodeLoop, Emission
+from engine_service.prefill_budget import PrefillBudget
 from engine_service.requests import Request, SamplingParams
+from engine_service.sampler import new_generator
 from engine_service.scheduler import Prefill, Scheduler
 from engine_service.sequence import Sequence
-from engine_service.speculative import SpeculativeConfig
+from engine_service.speculative import SpeculativeConfig, verify
 from engine_service.speculator import Speculator
 
 VOCAB = 16
@@ -176,3 +178,70 @@ def test_speculator_drafts_and_choose_directly() -> None:
     out = Speculator.choose(logits, [seq, other], [[4, 0, 1]])
     assert out == [[4, 0, 2], [7]]
     assert (seq.draft_tokens, seq.accepted_tokens) == (3, 2)
+
+
+# -- found by `make mutate` (docs/mutation-testing.md) -------------------------------------------
+
+def text_sequence(prompt: tuple[int, ...], max_new: int = 10, sampling: SamplingParams | None = None) -> Sequence:
+    return Sequence(Request(request_id="t", prompt_ids=prompt, max_new_tokens=max_new,
+                            sampling=sampling or SamplingParams(), stop_token_ids=frozenset(), ignore_eos=True,
+                            deadline=None), sink=None)
+
+
+def test_a_draft_fills_exactly_the_room_left_after_this_steps_first_token() -> None:
+    speculator = Speculator(SpeculativeConfig(num_tokens=6))
+    seq = Sequence(request("a", 0, 10), sink=None)  # text 0 1 2 3 4 0 1 2 3 4 0 1, then the model's own
+    for generated, draft in ((6, [3, 4, 0]), (8, [0]), (9, None)):  # room 10 - generated - 1: 3, 1, 0
+        seq.generated = plain(0, generated)
+        seq.ngram = None
+        drafts = speculator.drafts([seq])
+        assert drafts == (None if draft is None else [draft]), generated
+
+
+def test_no_row_with_a_match_is_a_plain_step() -> None:
+    speculator = Speculator(SpeculativeConfig(num_tokens=4))
+    assert speculator.drafts([text_sequence((1, 2, 3, 4)), text_sequence((5, 6, 7))]) is None
+
+
+def test_the_index_uses_the_configs_ngram_range() -> None:
+    speculator = Speculator(SpeculativeConfig(num_tokens=2, min_n=1, max_n=2))
+    longer_match = text_sequence((1, 2, 3, 9, 5, 2, 3, 8, 1, 2, 3))  # 2-gram [2, 3] last seen before 8; 3-gram before 9
+    one_token_match = text_sequence((4, 6, 4))  # only the 1-gram [4] repeats
+    assert speculator.drafts([longer_match, one_token_match]) == [[8, 1], [6, 4]]
+    assert (longer_match.ngram.min_n, longer_match.ngram.max_n) == (1, 2)  # type: ignore[union-attr]
+
+
+def test_choose_verifies_a_sampled_row_with_its_own_generator() -> None:
+    params = SamplingParams(temperature=1.0, seed=5)
+    seq = text_sequence((0, 1, 2), sampling=params)
+    seq.generator = new_generator(params, torch.device("cpu"))
+    twin = new_generator(params, torch.device("cpu"))
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0], [0.0, 1.5, 0.3, 1.0], [1.0, 0.0, 1.0, 0.2]])
+    with torch.random.fork_rng():
+        for global_seed in range(40):
+            torch.manual_seed(global_seed)
+            assert Speculator.choose(logits, [seq], [[0, 1]]) == [verify([0, 1], logits, params, twin)]
+
+
+class SpyBudget(PrefillBudget):
+    def __init__(self) -> None:
+        super().__init__(None, 256)
+        self.observed: list[tuple[int, int]] = []
+
+    def observe(self, decoding: int, prefill_tokens: int, seconds: float) -> None:
+        self.observed.append((decoding, prefill_tokens))
+        super().observe(decoding, prefill_tokens, seconds)
+
+
+def test_a_speculating_step_does_not_feed_the_prefill_budget() -> None:
+    runner, budget = SpeculatingRunner(), SpyBudget()
+    scheduler = Scheduler(max_batch=2, max_context=256, queue_capacity=4, queue_retry_seconds=0.5,
+                          prefill_token_budget=1024)
+    loop = DecodeLoop(runner, scheduler, FaultInjector(FaultPlan()), frozenset({15}), lambda out: None,  # type: ignore[arg-type]
+                      on_fatal=lambda exc: None, prefill_budget=budget,
+                      speculator=Speculator(SpeculativeConfig(num_tokens=4)))
+    scheduler.submit(Sequence(request("a", 0, 20), sink=None))
+    loop.step()  # the prefill: a plain step (nothing decodes, so nothing drafts)
+    loop.step()  # a verify step
+    assert runner.drafts_seen[0] is None and runner.drafts_seen[1] is not None
+    assert budget.observed == [(0, 12)]
