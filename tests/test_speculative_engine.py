@@ -12,6 +12,7 @@ import pytest
 from engine.v1 import engine_pb2 as pb
 from engine_service.speculator import SPECULATIVE_MAX_ROWS
 from tests.contract import decode, tokens_of
+from tools.local_engine import EngineProcess
 
 # float32 without quantized copies: a step's numerics do not depend on how many tokens it feeds,
 # so a verify step's logits are the plain steps' (with quantized copies, the row count picks the
@@ -26,10 +27,17 @@ def run_all(stub, prompts: list[str], at_once: int, **fields) -> list[list[pb.De
         return list(pool.map(lambda text: decode(stub, prompt_text=text, **fields), prompts))
 
 
+@pytest.fixture(scope="module")
+def engines():  # type: ignore[no-untyped-def]
+    """A plain engine and a speculating one, shared by the module's tests (each request is its own)."""
+    with EngineProcess(*FLAGS) as plain, \
+            EngineProcess(*FLAGS, "--speculative", "ngram", "--speculative-tokens", "5") as spec:
+        yield plain, spec
+
+
 @pytest.mark.parametrize("at_once", [1, SPECULATIVE_MAX_ROWS - 1, 8])
-def test_greedy_tokens_are_those_of_plain_decoding(start_engine, at_once: int) -> None:  # type: ignore[no-untyped-def]
-    plain = start_engine(*FLAGS)
-    spec = start_engine(*FLAGS, "--speculative", "ngram", "--speculative-tokens", "5")
+def test_greedy_tokens_are_those_of_plain_decoding(engines, at_once: int) -> None:  # type: ignore[no-untyped-def]
+    plain, spec = engines
     fields = {"max_new_tokens": 48, "ignore_eos": True}
     expected = run_all(plain.stub(), PROMPTS, at_once, **fields)
     got = run_all(spec.stub(), PROMPTS, at_once, **fields)
@@ -48,8 +56,8 @@ def test_greedy_tokens_are_those_of_plain_decoding(start_engine, at_once: int) -
         assert any(len(m.token_ids) > 1 for r in got for m in r)
 
 
-def test_sampled_requests_end_as_asked(start_engine) -> None:  # type: ignore[no-untyped-def]
-    spec = start_engine(*FLAGS, "--speculative", "ngram")
+def test_sampled_requests_end_as_asked(engines) -> None:  # type: ignore[no-untyped-def]
+    _, spec = engines
     sampling = pb.SamplingParams(temperature=0.8, top_k=20, seed=7)
     got = run_all(spec.stub(), PROMPTS[:3], 3, max_new_tokens=30, ignore_eos=True, sampling=sampling)
     again = run_all(spec.stub(), PROMPTS[:3], 1, max_new_tokens=30, ignore_eos=True, sampling=sampling)
