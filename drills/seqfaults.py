@@ -63,7 +63,9 @@ def run(quick: bool) -> Row:
     plan = FaultPlan.parse([FAULT])
     doomed = {c.request_id for c in cases if plan.dooms(c.request_id)}
     checks = Checks()
-    flags = ("--model", "tiny", "--max-batch", "16", "--max-context", "256")
+    # float32: the others' greedy tokens are compared with a clean engine's, and in bfloat16 (what
+    # --dtype auto picks on a CPU with native bfloat16) a row may round differently with the batch
+    flags = ("--model", "tiny", "--dtype", "float32", "--max-batch", "16", "--max-context", "256")
     clean_engine, faulty_engine = EngineProcess(*flags), EngineProcess(*flags, "--fault", FAULT)
     try:
         for e in (clean_engine, faulty_engine):
