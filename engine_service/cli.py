@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--speculative", default="none", choices=SPECULATIVE_METHODS,
                    help="ngram: prompt-lookup speculative decoding (vLLM's ngram, llama.cpp's lookup): draft the "
                         "tokens that followed the latest earlier occurrence of the text's last 2-4 tokens, verify them "
-                        "in one forward, keep those the model agrees with (greedy: the same tokens as without it); "
+                        "in one forward, keep those the model agrees with (greedy: the tokens of decoding without it, up to "
+                        "the rounding that batching changes too); "
                         "only while at most 4 rows decode. Pays on input-grounded tasks (repeating, editing, quoting)")
     m.add_argument("--speculative-tokens", type=int, default=6, help="draft tokens per step with --speculative ngram")
     m.add_argument("--trace-decode", action=argparse.BooleanOptionalAction, default=True,
@@ -64,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prefill-tokens", type=_prefill_tokens, default="auto",
                    help="prompt tokens prefilled in one step, in chunks, beside the decoding rows: a smaller "
                         "budget keeps running streams' inter-token gaps short while a long prompt prefills, a "
-                        "larger one prefills faster; auto: as many as keep such a step within 3x a decode-only "
-                        "step, from the step times measured as the engine runs (see README)")
+                        "larger one prefills faster; auto: sized to keep such a step near 3.5 decode-only steps, "
+                        "from the decode-step and idle-prefill times measured as the engine runs (see README)")
     s.add_argument("--prefix-cache-tokens", type=int, default=DEFAULT_PREFIX_CACHE_TOKENS,
                    help=f"tokens of computed prompt keys and values kept for reuse by prompts with the same "
                         f"prefix, in blocks of {BLOCK_TOKENS}; 0 turns the prefix cache off")

@@ -43,7 +43,7 @@ class Int8Weight:
     max_rows: int
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., K) -> (..., N), in x's dtype (computed in the scales' dtype, see `KERNEL_DTYPE`)."""
+        """x (..., K) -> (..., N), in x's dtype (computed in the scales' dtype, see `kernel_dtype`)."""
         flat = x.reshape(-1, x.shape[-1])
         out = torch._weight_int8pack_mm(flat.to(self.scales.dtype), self.weight, self.scales)
         return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
