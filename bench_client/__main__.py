@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import sys
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import structlog
 
-from bench_client.chat import DEFAULT_MODEL, Question, ask_engine
+from bench_client.chat import DEFAULT_MODEL, Question, ask_engine, logprob_lines
 from bench_client.config import ConfigError, SweepConfig, load_config
 from bench_client.engine_process import EngineStartError
 from bench_client.progress import SweepProgress
@@ -147,6 +148,13 @@ def _chat_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     parser.add_argument("--seed", type=int, default=0, help="the sampling seed when temperature > 0")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds the answer may take")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="end the answer before this text (repeat for several; at most 8)")
+    parser.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
+                        help="answer with JSON that validates against the JSON Schema in FILE")
+    parser.add_argument("--logprobs", type=int, default=0, metavar="N",
+                        help="print each answer token's log-probability and its N most likely alternatives "
+                             "to stderr (1..20)")
     return parser
 
 
@@ -155,8 +163,17 @@ def run_chat(args: argparse.Namespace) -> int:
         print(f"error: --model {args.model!r} names a managed engine's model; with --target {args.target!r} the "
               "engine there answers with its own model", file=sys.stderr)
         return EXIT_USAGE
+    schema = None
+    if args.json_schema is not None:
+        try:
+            schema = args.json_schema.read_text(encoding="utf-8")
+            json.loads(schema)
+        except (OSError, ValueError) as err:  # ValueError: UnicodeDecodeError and JSONDecodeError
+            print(f"error: --json-schema {str(args.json_schema)!r} is not a readable JSON file: {err}", file=sys.stderr)
+            return EXIT_USAGE
     question = Question(args.question, system=args.system, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, seed=args.seed)
+                        temperature=args.temperature, seed=args.seed, stop=tuple(args.stop), json_schema=schema,
+                        top_logprobs=args.logprobs)
     try:
         answer = asyncio.run(ask_engine(question, target=args.target, model=args.model or DEFAULT_MODEL,
                                         timeout=args.timeout, out=sys.stdout))
@@ -168,8 +185,12 @@ def run_chat(args: argparse.Namespace) -> int:
         return EXIT_STOPPED
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
+    for line in logprob_lines(answer.logprobs):
+        print(line, file=sys.stderr)
     if answer.finish_reason == "LENGTH":
         print(f"(the answer stopped at --max-new-tokens {args.max_new_tokens})", file=sys.stderr)
+    if answer.stop_string is not None:
+        print(f"(the answer stopped at --stop {answer.stop_string!r})", file=sys.stderr)
     return EXIT_OK
 
 

@@ -20,7 +20,7 @@ from typing import TextIO
 from bench_client.config import EngineLaunchConfig
 from bench_client.engine_process import ManagedEngine
 from bench_client.rpc import EngineClient
-from bench_client.server_api import ChatMessage, ChatSpec, ServerClient
+from bench_client.server_api import ChatMessage, ChatSpec, ServerClient, TokenLogprob
 
 DEFAULT_MODEL = "smollm2"
 
@@ -32,6 +32,9 @@ class Question:
     max_new_tokens: int = 256
     temperature: float = 0.0  # 0: greedy, the same answer every time
     seed: int = 0
+    stop: tuple[str, ...] = ()  # the answer ends before the first of these that appears
+    json_schema: str | None = None  # the answer is JSON that validates against this schema
+    top_logprobs: int = 0  # > 0: each answer token's log-probability, and this many alternatives
 
     def messages(self) -> tuple[ChatMessage, ...]:
         system = (ChatMessage("system", self.system),) if self.system else ()
@@ -41,8 +44,12 @@ class Question:
 @dataclass(frozen=True)
 class Answer:
     text: str
-    finish_reason: str | None  # "EOS" (the model's end of turn) or "LENGTH" (max_new_tokens reached)
+    # "EOS" (the model's end of turn), "LENGTH" (max_new_tokens reached), "STOP" (a stop string,
+    # or the JSON Schema's value complete)
+    finish_reason: str | None
     completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
+    stop_string: str | None = None
 
 
 async def ask(client: ServerClient, question: Question, *, timeout: float, out: TextIO) -> Answer:
@@ -50,19 +57,29 @@ async def ask(client: ServerClient, question: Question, *, timeout: float, out: 
     return it; a failed call raises its EngineError (shared.errors), with the server's reason and
     message."""
     spec = ChatSpec(request_id=f"chat-{uuid.uuid4().hex[:12]}", messages=question.messages(),
-                    max_new_tokens=question.max_new_tokens, temperature=question.temperature, seed=question.seed)
+                    max_new_tokens=question.max_new_tokens, temperature=question.temperature, seed=question.seed,
+                    stop=question.stop, json_schema=question.json_schema, top_logprobs=question.top_logprobs)
     pieces: list[str] = []
-    finish_reason, tokens = None, 0
+    logprobs: list[TokenLogprob] = []
+    finish_reason, tokens, stop_string = None, 0, None
     async for chunk in client.chat(spec, timeout=timeout):
         if chunk.text:
             out.write(chunk.text)
             out.flush()
             pieces.append(chunk.text)
         tokens += chunk.num_tokens
+        logprobs.extend(chunk.logprobs)
         finish_reason = chunk.finish_reason or finish_reason
+        stop_string = chunk.stop_string or stop_string
     out.write("\n")  # the answer's line ends now, before a managed engine's drain logs anything
     out.flush()
-    return Answer("".join(pieces), finish_reason, tokens)
+    return Answer("".join(pieces), finish_reason, tokens, tuple(logprobs), stop_string)
+
+
+def logprob_lines(logprobs: tuple[TokenLogprob, ...]) -> list[str]:
+    """One line per answer token: its text, its log-probability, then the alternatives."""
+    return [f"{lp.text!r:>16} {lp.logprob:9.4f}  " + "  ".join(f"{text!r} {value:.4f}" for text, value in lp.top)
+            for lp in logprobs]
 
 
 # A one-question engine on loopback: a batch of one (a small KV cache); {model} from its settings.

@@ -242,6 +242,13 @@ class OpenAIClient:
             "max_tokens": spec.max_new_tokens, "temperature": spec.temperature, "seed": spec.seed,
             "stream": True, "stream_options": {"include_usage": True},
         }
+        if spec.stop:
+            body["stop"] = list(spec.stop)
+        if spec.json_schema is not None:  # OpenAI's structured outputs, as vLLM and llama-server take them
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "answer", "schema": json.loads(spec.json_schema)}}
+        if spec.top_logprobs:
+            body.update(logprobs=True, top_logprobs=spec.top_logprobs)
         if self._model:
             body = {"model": self._model, **body}
         return self._stream(CHAT_COMPLETIONS, body, timeout, chat=True, attributes={

@@ -32,6 +32,7 @@ from bench_client.server_api import (
     DecodeStream,
     EngineTiming,
     ServerInfo,
+    TokenLogprob,
     poll_until_serving,
 )
 from engine.v1 import engine_pb2, engine_pb2_grpc
@@ -135,6 +136,9 @@ class EngineClient:
                                                  for m in spec.messages]),
             max_new_tokens=spec.max_new_tokens,
             sampling=engine_pb2.SamplingParams(temperature=spec.temperature, top_p=1.0, top_k=0, seed=spec.seed),
+            stop=spec.stop, top_logprobs=spec.top_logprobs,
+            response_format=engine_pb2.ResponseFormat(json_schema=spec.json_schema)
+            if spec.json_schema is not None else None,
         )
         return self._stream(request, timeout, {
             **_DECODE_ATTRIBUTES, "gen_ai.operation.name": "chat", "gen_ai.request.max_tokens": spec.max_new_tokens,
@@ -216,4 +220,7 @@ def _chunk(message: engine_pb2.DecodeResponse, received_at: float) -> Chunk:
             time_to_first_token_seconds=message.timing.time_to_first_token_seconds,
             total_seconds=message.timing.total_seconds,
         ) if message.HasField("timing") else None,
+        logprobs=tuple(TokenLogprob(lp.text, lp.logprob, tuple((t.text, t.logprob) for t in lp.top))
+                       for lp in message.logprobs),
+        stop_string=message.stop_string or None,
     )

@@ -73,6 +73,18 @@ class ChatSpec:
     max_new_tokens: int
     temperature: float  # 0: greedy
     seed: int
+    stop: tuple[str, ...] = ()  # stop strings: the answer ends before the first that appears
+    json_schema: str | None = None  # a JSON Schema (as JSON text) the answer must validate against
+    top_logprobs: int = 0  # > 0: each token's log-probability and this many alternatives
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One answer token's log-probability as the server reported it, and its alternatives."""
+
+    text: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()  # (text, logprob), most likely first
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,8 @@ class Chunk:
     # The server's own view of the request, as it reported it (llama-server's `timings`: prompt_n,
     # prompt_ms, predicted_n, predicted_ms, cache_n...), on the last message; None where it reports none.
     server_timings: Mapping[str, float] | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked for them
+    stop_string: str | None = None  # on the last message, the stop string that ended the answer
 
 
 class DecodeStream:

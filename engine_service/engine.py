@@ -17,15 +17,18 @@ import structlog
 import torch
 
 from engine_service.config import EngineConfig
+from engine_service.constraint import Constraint, ConstraintCompiler
 from engine_service.cpu import detect
 from engine_service.faults import FaultInjector
+from engine_service.logprobs import TokenLogprobs
 from engine_service.loop import DecodeLoop, Emission, set_threads
 from engine_service.model.loader import LoadedModel, load_model
 from engine_service.model_runner import ModelRunner
+from engine_service.output_text import OutputText
 from engine_service.precision import Precision, choose_dtype, choose_quantize
 from engine_service.prefill_budget import PrefillBudget
 from engine_service.prefix_cache import PrefixCache
-from engine_service.requests import Limits, Request
+from engine_service.requests import Limits, Request, ResponseFormat
 from engine_service.scheduler import LoadSnapshot, Scheduler
 from engine_service.sequence import FinishReason, Sequence
 from engine_service.speculative import SpeculativeConfig
@@ -58,11 +61,15 @@ class EngineInfo:
 
 @dataclass
 class StreamUpdate:
-    """Tokens since the reader last looked; `finish` or `error` on the last update."""
+    """Tokens since the reader last looked, with the text they released and their log-probabilities
+    (when asked for); `finish` or `error` on the last update."""
 
     tokens: list[int]
     finish: FinishReason | None = None
     error: EngineError | None = None
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -70,6 +77,9 @@ class TokenStream:
     """One request's tokens on the event loop side."""
 
     _pending: list[int] = field(default_factory=list)
+    _text: list[str] = field(default_factory=list)
+    _logprobs: list[TokenLogprobs] = field(default_factory=list)
+    _prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     _finish: FinishReason | None = None
     _error: EngineError | None = None
     _done: bool = False
@@ -91,6 +101,9 @@ class TokenStream:
         if self._done:  # already ended (stalled reader, drain, fatal): later tokens are moot
             return
         self._pending.extend(emission.tokens)
+        self._text.append(emission.text)
+        self._logprobs.extend(emission.logprobs)
+        self._prompt_logprobs.extend(emission.prompt_logprobs)
         if emission.finish is not None or emission.error is not None:
             self._finish, self._error, self._done = emission.finish, emission.error, True
         if self._done or not self._sent_first or len(self._pending) >= self.interval:
@@ -104,11 +117,13 @@ class TokenStream:
     async def next(self) -> StreamUpdate:
         await self._ready.wait()
         self._ready.clear()
-        tokens, self._pending = self._pending, []
-        self._sent_first = self._sent_first or bool(tokens)
+        update = StreamUpdate(self._pending, text="".join(self._text), logprobs=self._logprobs,
+                              prompt_logprobs=self._prompt_logprobs)
+        self._pending, self._text, self._logprobs, self._prompt_logprobs = [], [], [], []
+        self._sent_first = self._sent_first or bool(update.tokens)
         if self._done:
-            return StreamUpdate(tokens, self._finish, self._error)
-        return StreamUpdate(tokens)
+            update.finish, update.error = self._finish, self._error
+        return update
 
 
 @dataclass(eq=False)
@@ -125,6 +140,7 @@ class Engine:
         self.loaded: LoadedModel | None = None
         self.info: EngineInfo | None = None
         self.limits: Limits | None = None
+        self._constraints: ConstraintCompiler | None = None
         self.ready = asyncio.Event()
         self.draining = False
         self._grace = 0.0
@@ -251,16 +267,28 @@ class Engine:
         return self._event_loop
 
     # -- requests --------------------------------------------------------------------------
-    def submit(self, request: Request, trace: dict[str, str] | None = None) -> Handle:
+    def compile(self, response_format: ResponseFormat) -> Constraint:
+        """A request's response_format compiled for this model's tokenizer (InvalidField when the
+        compiler refuses it): once per request, when it arrives, before it is queued."""
+        if self._constraints is None:  # built on first use: most engines never constrain anything
+            if self.loaded is None:
+                raise RuntimeError("the engine's constraint compiler was used before Engine.start() finished")
+            self._constraints = ConstraintCompiler(self.loaded.tokenizer, self.loaded.config.vocab_size,
+                                                   _end_tokens(self.loaded))
+        return self._constraints.compile(response_format)
+
+    def submit(self, request: Request, trace: dict[str, str] | None = None,
+               constraint: Constraint | None = None) -> Handle:
         """Queue a request. Raises EngineUnavailable (after a fatal error), EngineDraining or QueueFull.
-        `trace`: the log ids of its span."""
+        `trace`: the log ids of its span; `constraint`: its compiled response_format."""
         if self._fatal_message is not None:
             raise EngineUnavailable(self._fatal_message)
         if self.draining:
             raise EngineDraining.build(self._grace)
         scheduler = self._started_scheduler()
         stream = TokenStream(interval=self.config.stream_interval)
-        handle = Handle(Sequence(request, sink=None, trace=trace or {}), stream)
+        text = OutputText(self.loaded.tokenizer.stream_decoder(), request.stop) if self.loaded is not None else None
+        handle = Handle(Sequence(request, sink=None, trace=trace or {}, text=text, constraint=constraint), stream)
         handle.seq.sink = handle.stream
         scheduler.submit(handle.seq)
         self._live.add(handle)

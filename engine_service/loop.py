@@ -14,16 +14,20 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import structlog
 import torch
 
+from engine_service.constraint import apply_masks
 from engine_service.faults import FaultInjector
-from engine_service.model_runner import ModelRunner
+from engine_service.logits_processors import Penalties, process
+from engine_service.logprobs import TokenLogprobs, token_logprobs
+from engine_service.model_runner import ModelRunner, StepLogits
 from engine_service.prefill_budget import PrefillBudget
 from engine_service.prefix_cache import PrefixCache
 from engine_service.sampler import new_generator, sample
-from engine_service.scheduler import Scheduler
+from engine_service.scheduler import Prefill, Scheduler
 from engine_service.sequence import FinishReason, Sequence
 from engine_service.speculator import Speculator
 from shared.errors import DeadlineExceeded, EngineError, SequenceError
@@ -43,6 +47,9 @@ class Emission:
     finish: FinishReason | None = None
     error: EngineError | None = None
     at: float = 0.0
+    text: str = ""  # the text these tokens release (output_text.py: stop strings hold some back)
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asks for them
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # on its first emission, with echo_prompt_logprobs
 
 
 Deliver = Callable[[list[Emission]], None]
@@ -114,11 +121,13 @@ class DecodeLoop:
         # forward + sample: the decoding rows (with their drafts), then the prompts whose last chunk this is
         started = time.perf_counter()
         logits = self.runner.forward(decoding, prefills, drafts)
-        for p in prefills:
+        for i, p in enumerate(prefills):
             p.seq.cache_len = p.chunk.start + p.chunk.length
             prefix.offer(p.seq.request.prompt_ids, cache, p.chunk.row, p.seq.cache_len)
+            if i in logits.prompt:
+                self._echo(p, logits.prompt[i])
         producing = decoding + [p.seq for p in prefills if p.completes]
-        tokens = self._tokens(logits, producing, drafts)
+        tokens, rows = self._tokens(logits, producing, drafts)
         if drafts is None:  # a verify step's time is no measure of a decode step's
             self._time_prefill(len(decoding), sum(p.chunk.length for p in prefills), time.perf_counter() - started)
         # emit: one sequence failing is that sequence's business alone
@@ -128,7 +137,7 @@ class DecodeLoop:
         finished: list[Sequence] = []
         for i, (seq, seq_tokens) in enumerate(zip(producing, tokens, strict=True)):
             try:
-                out.append(self._emit(seq, seq_tokens, i in doomed, emitted_at))
+                out.append(self._emit(seq, seq_tokens, i in doomed, emitted_at, logits.sampled[rows[i]:]))
             except SequenceError as err:
                 log.warning("sequence_aborted", request_id=seq.request_id, **seq.trace, reason=err.reason,
                             cause=err.metadata.get("cause"))
@@ -145,12 +154,46 @@ class DecodeLoop:
         sched.publish_load(prefix.stats())
         self._deliver(out)
 
+    def _tokens(self, logits: StepLogits, producing: list[Sequence],
+                drafts: list[list[int]] | None) -> tuple[list[list[int]], list[int]]:
+        """Each producing sequence's tokens this step (one sampled, or a verified draft's several),
+        and the row of the logits its first token was chosen from (the others follow it)."""
+        if drafts is None:
+            return [[t] for t in self._choose(logits.sampled, producing)], list(range(len(producing)))
+        rows = list(accumulate((1 + len(d) for d in drafts), initial=0))
+        verified = Speculator.choose(logits.sampled, producing[:len(drafts)], drafts)
+        rest = self._choose(logits.sampled[rows[-1]:], producing[len(drafts):])
+        return verified + [[t] for t in rest], rows[:-1] + list(range(rows[-1], rows[-1] + len(rest)))
+
+    @torch.inference_mode()  # the model's logits are inference tensors: changed in place only in it
+    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """One token per row: the request's logit bias, min_new_tokens mask and penalties
+        (logits_processors.py), its response_format's mask (constraint.py), then its sampler.
+        `logits` stays raw when a row asks for log-probabilities (they are computed from it)."""
+        params = [s.request.sampling for s in seqs]
+        raw_needed = any(s.request.top_logprobs for s in seqs)  # else changed in place: no copy of the batch
+        chosen = process(logits, params, [s.penalties for s in seqs], [len(s.generated) for s in seqs],
+                         [self._banned(s) for s in seqs], in_place=not raw_needed)
+        constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        if constrained:
+            chosen = apply_masks(chosen.clone() if chosen is logits and raw_needed else chosen, constrained,
+                                 [seqs[i].constraint for i in constrained])
+        return sample(chosen, params, [s.generator for s in seqs])
+
+    def _banned(self, seq: Sequence) -> frozenset[int]:
+        """The tokens min_new_tokens holds back while the sequence has fewer: EOS and its stop tokens."""
+        if seq.request.sampling.min_new_tokens <= len(seq.generated):
+            return frozenset()
+        return self.end_token_ids | seq.request.stop_token_ids
+
     @staticmethod
-    def _tokens(logits: torch.Tensor, producing: list[Sequence], drafts: list[list[int]] | None) -> list[list[int]]:
-        """Each producing sequence's tokens this step: one sampled, or a verified draft's several."""
-        if drafts is not None:
-            return Speculator.choose(logits, producing, drafts)
-        return [[t] for t in sample(logits, [s.request.sampling for s in producing], [s.generator for s in producing])]
+    def _echo(prefill: Prefill, logits: torch.Tensor) -> None:
+        """The log-probabilities of this chunk's prompt tokens after the first: row j of its
+        logits predicts the token at chunk.start + j + 1 (the last row of the prompt's last chunk
+        predicts the first generated token, which is no prompt token)."""
+        seq, chunk = prefill.seq, prefill.chunk
+        targets = seq.request.prompt_ids[chunk.start + 1:chunk.start + chunk.length + 1]
+        seq.prompt_logprobs.extend(token_logprobs(logits, targets, seq.request.top_logprobs))
 
     def _time_prefill(self, decoding: int, fed: int, seconds: float) -> None:
         """Give a plain step's time to the prefill budget, which adapts to it."""
@@ -161,27 +204,44 @@ class DecodeLoop:
 
     def _start(self, seq: Sequence, row: int, now: float) -> None:
         """A sequence's prefill begins: its generator, and the cached prefix of its prompt."""
+        request = seq.request
         seq.timings.prefill_started = now
-        seq.generator = new_generator(seq.request.sampling, self.runner.device)
-        seq.cache_len = seq.cached_tokens = self.prefix_cache.reuse(seq.request.prompt_ids, self.runner.cache, row)
+        seq.generator = new_generator(request.sampling, self.runner.device)
+        if request.sampling.penalized:
+            seq.penalties = Penalties(request.prompt_ids, self.runner.model.config.vocab_size, self.runner.device)
+        # a prompt whose log-probabilities are echoed is computed whole: cached positions give none
+        seq.cache_len = seq.cached_tokens = 0 if request.echo_prompt_logprobs else \
+            self.prefix_cache.reuse(request.prompt_ids, self.runner.cache, row)
 
-    def _emit(self, seq: Sequence, tokens: list[int], doomed: bool, at: float) -> Emission:
-        """Append this step's tokens (one, or a verified draft's several) up to the first that ends it."""
+    def _emit(self, seq: Sequence, tokens: list[int], doomed: bool, at: float, logits: torch.Tensor) -> Emission:
+        """Append this step's tokens (one, or a verified draft's several) up to the first that ends
+        it; `logits` are the raw rows they were chosen from, the first token's first."""
         if doomed:
             raise self.faults.fail(seq.request_id, len(seq.generated), self.steps)
-        finish, kept = None, []
+        finish, kept, text = None, [], []
         for token in tokens:
             seq.generated.append(token)
             kept.append(token)
+            text.append(seq.text.push(token) if seq.text is not None else "")
+            if seq.constraint is not None:
+                seq.constraint.consume((token,))
             if (finish := seq.finish_reason(token, self.end_token_ids)) is not None:
+                if seq.text is not None:
+                    text.append(seq.text.flush())
                 break
         seq.cache_len = seq.total_len - 1  # this step's inputs are in the cache; the newest token is not
         if seq.ngram is not None:
             seq.ngram.extend(kept)
-        if seq.timings.first_token is None:
+        if seq.penalties is not None:
+            seq.penalties.add(kept)
+        first = seq.timings.first_token is None
+        if first:
             seq.timings.first_token = at
         seq.timings.last_token = at
-        return Emission(seq, tuple(kept), finish=finish, at=at)
+        top = seq.request.top_logprobs
+        return Emission(seq, tuple(kept), finish=finish, at=at, text="".join(text),
+                        logprobs=tuple(token_logprobs(logits, kept, top)) if top else (),
+                        prompt_logprobs=tuple(seq.prompt_logprobs) if first else ())
 
     @staticmethod
     def _dropped(seq: Sequence, now: float) -> Emission:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 from functools import partial
 
 import structlog
@@ -19,6 +20,16 @@ from engine_service.scheduler import Prefill
 from engine_service.sequence import Sequence
 
 log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """A step's logits: `sampled` (d + K, V) as ModelRunner.forward describes them, and, for each
+    prefill (by its index in the step) whose request echoes its prompt's log-probabilities, every
+    token's of its chunk (length, V): row j predicts the token after position chunk.start + j."""
+
+    sampled: torch.Tensor
+    prompt: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -39,21 +50,25 @@ class ModelRunner:
                 log.warning("decode_trace_failed", error_type=type(err).__name__, error=str(err))
 
     def forward(self, decoding: Seq[Sequence], prefills: Seq[Prefill],
-                drafts: Seq[Seq[int]] | None = None) -> torch.Tensor:
+                drafts: Seq[Seq[int]] | None = None) -> StepLogits:
         """Logits (d + K, V): the `decoding` rows' (rows 0..d-1, each fed its last token), then the
         last prompt token's of each prefill that completes its prompt. With `drafts` (one list of
         speculated tokens per decoding row, speculative.py), each decoding row i is fed its last
-        token and its draft, and gives 1 + len(drafts[i]) rows of logits, in order, instead of one."""
+        token and its draft, and gives 1 + len(drafts[i]) rows of logits, in order, instead of one.
+        Prefills whose request has echo_prompt_logprobs also give every token's (StepLogits.prompt)."""
         if drafts is not None:
             return self._verify(decoding, prefills, drafts)
         tokens = torch.tensor([s.generated[-1] for s in decoding], dtype=torch.long, device=self.device)
         positions = torch.tensor([s.cache_len for s in decoding], dtype=torch.long, device=self.device)
         if not prefills:
-            return self._decode(tokens, positions)
-        return self.model.step(tokens, positions, self._prompt_tokens(prefills), [p.chunk for p in prefills],
-                               self.cache, logits_of=[i for i, p in enumerate(prefills) if p.completes])
+            return StepLogits(self._decode(tokens, positions))
+        echo = [i for i, p in enumerate(prefills) if p.seq.request.echo_prompt_logprobs]
+        logits = self.model.step(tokens, positions, self._prompt_tokens(prefills), [p.chunk for p in prefills],
+                                 self.cache, logits_of=[i for i, p in enumerate(prefills) if p.completes],
+                                 every_token_of=echo)
+        return _split(logits, len(decoding), prefills, set(echo))
 
-    def _verify(self, decoding: Seq[Sequence], prefills: Seq[Prefill], drafts: Seq[Seq[int]]) -> torch.Tensor:
+    def _verify(self, decoding: Seq[Sequence], prefills: Seq[Prefill], drafts: Seq[Seq[int]]) -> StepLogits:
         """Each decoding row as a chunk of its last token and its draft at its next positions (the
         keys and values of rejected draft tokens are overwritten later: the row's cache_len moves
         past accepted tokens only), then the prefills' chunks."""
@@ -61,11 +76,31 @@ class ModelRunner:
         chunks = [PromptChunk(row, s.cache_len, len(t)) for row, (s, t) in enumerate(zip(decoding, fed, strict=True))]
         tokens = torch.tensor([t for f in fed for t in f], dtype=torch.long, device=self.device)
         none = tokens[:0]
-        return self.model.step(
+        echo = {i for i, p in enumerate(prefills) if p.seq.request.echo_prompt_logprobs}
+        logits = self.model.step(
             none, none, torch.cat([tokens, self._prompt_tokens(prefills)]), [*chunks, *(p.chunk for p in prefills)],
             self.cache, logits_of=[len(chunks) + i for i, p in enumerate(prefills) if p.completes],
-            every_token_of=len(chunks))
+            every_token_of=[*range(len(chunks)), *(len(chunks) + i for i in echo)])
+        return _split(logits, sum(len(f) for f in fed), prefills, echo)
 
     def _prompt_tokens(self, prefills: Seq[Prefill]) -> torch.Tensor:
         return torch.tensor([t for p in prefills for t in p.seq.request.prompt_ids[
             p.chunk.start:p.chunk.start + p.chunk.length]], dtype=torch.long, device=self.device)
+
+
+def _split(logits: torch.Tensor, decoded: int, prefills: Seq[Prefill], echo: set[int]) -> StepLogits:
+    """The model's rows (the `decoded` decoding rows', then per prefill every token's when echoed,
+    else the last token's when it completes) as StepLogits: the sampled rows in forward's layout."""
+    if not echo:
+        return StepLogits(logits)
+    keep, prompt, at = list(range(decoded)), {}, decoded
+    for i, p in enumerate(prefills):
+        if i in echo:
+            prompt[i] = logits[at:at + p.chunk.length]
+            at += p.chunk.length
+            if p.completes:
+                keep.append(at - 1)
+        elif p.completes:
+            keep.append(at)
+            at += 1
+    return StepLogits(logits[keep], prompt)

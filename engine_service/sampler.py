@@ -1,5 +1,7 @@
 """Next-token selection: greedy rows in one vectorised argmax, sampled rows each with their own
-seeded generator (temperature, then top-k, then top-p, as Hugging Face orders its warpers)."""
+seeded generator (temperature, then top-k, then top-p, then min-p, as Hugging Face orders its
+warpers). Greedy rows ignore all four. What changes the logits before this (logit_bias,
+min_new_tokens, penalties) is engine_service/logits_processors.py."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 def warped_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution a sampled request draws from: one row of logits (V,), float32, after
-    temperature, top-k and top-p. Speculative verification (engine_service/speculative.py)
+    temperature, top-k, top-p and min-p. Speculative verification (engine_service/speculative.py)
     accepts and resamples against exactly this distribution."""
     # Shift by the max before scaling: the same distribution, but a tiny (even subnormal)
     # temperature cannot overflow to inf and turn softmax into NaN (it just becomes greedy).
@@ -42,6 +44,11 @@ def warped_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = torch.softmax(sorted_logits, dim=-1)
         beyond = probs.cumsum(-1) - probs >= p.top_p  # keep the smallest prefix reaching top_p (as HF does)
         logits = logits.scatter(0, order, sorted_logits.masked_fill(beyond, float("-inf")))
+    if p.min_p:
+        # transformers' MinPLogitsWarper: drop the tokens less likely than min_p x the likeliest
+        # (after the steps above); a min_p above 1 is taken as 1, so the likeliest always stays
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min(p.min_p, 1.0) * probs.max(), float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 

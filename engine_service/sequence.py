@@ -5,11 +5,18 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from engine_service.logprobs import TokenLogprobs
+from engine_service.output_text import OutputText
 from engine_service.requests import Request
 from engine_service.speculative import NgramIndex
+
+if TYPE_CHECKING:  # annotations only
+    from engine_service.constraint import Constraint
+    from engine_service.logits_processors import Penalties
 
 
 class FinishReason(enum.Enum):
@@ -46,6 +53,10 @@ class Sequence:
     ngram: NgramIndex | None = None  # its text's n-grams, once speculation drafts for it (speculator.py)
     draft_tokens: int = 0  # speculated tokens verified for it
     accepted_tokens: int = 0  # of those, accepted
+    text: OutputText | None = None  # its streamed text and stop strings (set when submitted)
+    constraint: Constraint | None = None  # its response_format's matcher (compiled when it arrived)
+    penalties: Penalties | None = None  # the tokens seen, once it starts, when its sampling penalizes them
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # echo_prompt_logprobs, chunk by chunk
 
     @property
     def request_id(self) -> str:
@@ -56,8 +67,13 @@ class Sequence:
         return len(self.request.prompt_ids) + len(self.generated)
 
     def finish_reason(self, token: int, end_token_ids: frozenset[int]) -> FinishReason | None:
-        """Why the sequence ends after producing `token` (already appended), or None."""
+        """Why the sequence ends after producing `token` (already appended, its text pushed and
+        its constraint advanced), or None."""
         if token in self.request.stop_token_ids:
+            return FinishReason.STOP
+        if self.text is not None and self.text.stop_string is not None:
+            return FinishReason.STOP
+        if self.constraint is not None and self.constraint.done:
             return FinishReason.STOP
         if token in end_token_ids and not self.request.ignore_eos:
             return FinishReason.EOS

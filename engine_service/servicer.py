@@ -9,7 +9,7 @@ too: `RequestTelemetry.finish` (the `request_finished` event, the metrics, the s
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 import grpc
@@ -19,8 +19,9 @@ from google.protobuf.message import DecodeError
 from engine.v1 import engine_pb2 as pb
 from engine_service import __version__
 from engine_service.engine import Engine, Handle
+from engine_service.logprobs import TokenLogprobs
 from engine_service.metrics import EngineMetrics, disabled_meter
-from engine_service.requests import Request
+from engine_service.requests import Request, loggable_request_id, parse_tokenize
 from engine_service.sequence import FinishReason
 from engine_service.telemetry import RequestOutcome, RequestTelemetry
 from shared.engine_channel import REPLICA_HEADER
@@ -68,14 +69,15 @@ class EngineServicer:
             if self.replica:  # which replica answers: a client behind round_robin cannot see its peer
                 await context.send_initial_metadata(((REPLICA_HEADER, self.replica),))
             msg = _parse_bytes(pb.DecodeRequest, raw)
-            request_id = msg.request_id
+            request_id = loggable_request_id(msg.request_id)  # the raw one, capped and escaped until parsed
             await self.engine.ready.wait()
             remaining = context.time_remaining()
             deadline = started + remaining if remaining is not None else None
             loaded = self.engine.loaded
             request = Request.parse(msg, self.engine.limits, loaded.tokenizer, deadline, loaded.chat_template)
             request_id = request.request_id
-            handle = self.engine.submit(request, trace=ids)
+            constraint = self.engine.compile(request.response_format) if request.response_format else None
+            handle = self.engine.submit(request, trace=ids, constraint=constraint)
             async for response in self._stream(handle):
                 if response.finish_reason:
                     finish = FINISH_REASON_NAMES[response.finish_reason]
@@ -106,7 +108,7 @@ class EngineServicer:
     def _outcome(self, request_id: str, code: grpc.StatusCode, error: EngineError | None, started: float,
                  msg: pb.DecodeRequest | None, handle: Handle | None, finish: str | None) -> RequestOutcome:
         outcome = RequestOutcome(request_id, code, error, started, time.monotonic(), finish_reason=finish,
-                                 max_tokens=msg.max_new_tokens if msg is not None else None,
+                                 max_tokens=handle.seq.request.max_new_tokens if handle is not None else None,
                                  model=self.engine.info.model if self.engine.info is not None else None)
         if handle is None:
             return outcome
@@ -116,22 +118,22 @@ class EngineServicer:
                        draft_tokens=seq.draft_tokens, accepted_tokens=seq.accepted_tokens)
 
     async def _stream(self, handle: Handle) -> AsyncIterator[pb.DecodeResponse]:
-        request_id = handle.seq.request_id
-        detok = self.engine.loaded.tokenizer.stream_decoder()
+        seq = handle.seq
+        piece = self.engine.loaded.tokenizer.piece
         while True:
             update = await handle.stream.next()
-            if update.tokens:
-                response = pb.DecodeResponse(request_id=request_id, token_ids=update.tokens, text=detok.step(update.tokens))
-            else:
-                response = pb.DecodeResponse(request_id=request_id)
+            response = pb.DecodeResponse(request_id=seq.request_id, token_ids=update.tokens, text=update.text,
+                                         logprobs=_logprobs(update.logprobs, piece),
+                                         prompt_logprobs=_logprobs(update.prompt_logprobs, piece))
             if update.error is not None:
                 if update.tokens:
                     yield response
                 raise update.error
             if update.finish is not None:
-                seq = handle.seq
                 t = seq.timings
                 response.finish_reason = FINISH_REASONS[update.finish]
+                if seq.text is not None and seq.text.stop_string is not None:
+                    response.stop_string = seq.text.stop_string
                 response.usage.prompt_tokens = len(seq.request.prompt_ids)
                 response.usage.completion_tokens = len(seq.generated)
                 response.usage.cached_prompt_tokens = seq.cached_tokens
@@ -142,8 +144,23 @@ class EngineServicer:
                 response.timing.total_seconds = (t.last_token or t.accepted) - t.accepted
                 yield response
                 return
-            if update.tokens:
+            if update.tokens or update.text or update.prompt_logprobs:
                 yield response
+
+    async def tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            msg = _parse_bytes(pb.TokenizeRequest, raw)
+            await self.engine.ready.wait()
+            loaded = self.engine.loaded
+            ids = parse_tokenize(msg, self.engine.limits, loaded.tokenizer, loaded.chat_template)
+            return pb.TokenizeResponse(token_ids=ids, pieces=[loaded.tokenizer.piece(i) for i in ids])
+        except EngineError as err:
+            error = err
+        except Exception:  # the boundary's contract, as Decode's: a bug answers INTERNAL
+            log.exception("tokenize_internal_error")
+            error = InternalError.build("tokenize")
+        await _abort(context, error)
+        raise AssertionError("context.abort returned")  # it raises: grpc.aio ends the call there
 
     async def get_server_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.ServerInfo:
         try:
@@ -186,7 +203,15 @@ class EngineServicer:
                 self.get_server_info, response_serializer=pb.ServerInfo.SerializeToString),
             "GetLoad": grpc.unary_unary_rpc_method_handler(
                 self.get_load, response_serializer=pb.Load.SerializeToString),
+            "Tokenize": grpc.unary_unary_rpc_method_handler(
+                self.tokenize, response_serializer=pb.TokenizeResponse.SerializeToString),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
 
+
+
+def _logprobs(values: list[TokenLogprobs], piece: Callable[[int], str]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=v.token_id, text=piece(v.token_id), logprob=v.logprob,
+                            top=[pb.TopLogprob(token_id=t, text=piece(t), logprob=lp) for t, lp in v.top])
+            for v in values]

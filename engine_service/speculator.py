@@ -15,7 +15,6 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from engine_service.sampler import sample
 from engine_service.sequence import Sequence
 from engine_service.speculative import NgramIndex, SpeculativeConfig, verify
 
@@ -29,8 +28,10 @@ class Speculator:
 
     def drafts(self, decoding: Seq[Sequence]) -> list[list[int]] | None:
         """One draft per decoding row (possibly empty), or None for a plain step: too many rows,
-        or no row has a draft. A draft never runs past the row's max_new_tokens."""
-        if not decoding or len(decoding) > self.max_rows:
+        or no row has a draft, or a row's logits are processed before sampling (logit bias,
+        penalties, min_new_tokens, a response_format: verification knows the plain distribution
+        only). A draft never runs past the row's max_new_tokens."""
+        if not decoding or len(decoding) > self.max_rows or not all(_plain(s) for s in decoding):
             return None
         drafts = []
         for seq in decoding:
@@ -42,18 +43,19 @@ class Speculator:
         return drafts if any(drafts) else None
 
     @staticmethod
-    def choose(logits: torch.Tensor, producing: Seq[Sequence], drafts: Seq[Seq[int]]) -> list[list[int]]:
-        """The tokens of each producing sequence: the decoding rows' (the first len(drafts)) by
-        verifying their drafts against their 1 + k rows of `logits`, the completing prefills' by
-        sampling one each from the rows after them."""
+    def choose(logits: torch.Tensor, decoding: Seq[Sequence], drafts: Seq[Seq[int]]) -> list[list[int]]:
+        """The tokens of each decoding sequence, by verifying its draft against its 1 + k rows of
+        `logits` (the rows after them, the completing prefills', are the loop's to sample)."""
         out: list[list[int]] = []
         at = 0
-        for seq, draft in zip(producing, drafts, strict=False):
+        for seq, draft in zip(decoding, drafts, strict=True):
             tokens = verify(draft, logits[at:at + 1 + len(draft)], seq.request.sampling, seq.generator)
             seq.draft_tokens += len(draft)
             seq.accepted_tokens += len(tokens) - 1
             out.append(tokens)
             at += 1 + len(draft)
-        rest = producing[len(drafts):]
-        return out + [[t] for t in sample(logits[at:], [s.request.sampling for s in rest],
-                                          [s.generator for s in rest])]
+        return out
+
+
+def _plain(seq: Sequence) -> bool:
+    return not seq.request.sampling.processed and seq.constraint is None

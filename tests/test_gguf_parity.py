@@ -271,3 +271,62 @@ def test_yarn_rope_scaling_is_refused_by_name(tmp_path: Path) -> None:
                       metadata={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0})
     with pytest.raises(CheckpointError, match=r"'llama\.rope\.scaling\.type' must be one of none, linear, got 'yarn'"):
         load_model(str(path), CPU, torch.float32)
+
+
+# -- log-probabilities (DecodeRequest.top_logprobs, echo_prompt_logprobs) against transformers ------
+
+TOP = 5
+
+
+def _check_logprobs(reported, tokens: list[int], reference: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
+    """Each reported TokenLogprob against log_softmax of transformers' logits row for its place;
+    returns the largest difference."""
+    assert [r.token_id for r in reported] == tokens
+    worst = 0.0
+    for r, row in zip(reported, torch.log_softmax(reference, dim=-1), strict=True):
+        worst = max(worst, abs(r.logprob - row[r.token_id].item()))
+        values, _ = torch.topk(row, TOP)
+        assert len(r.top) == TOP
+        for alternative, value in zip(r.top, values.tolist(), strict=True):  # most likely first
+            worst = max(worst, abs(alternative.logprob - value), abs(alternative.logprob - row[alternative.token_id].item()))
+    return worst
+
+
+def test_smollm2_logprobs_equal_transformers_log_softmax(smollm2_hf) -> None:  # type: ignore[no-untyped-def]
+    """Greedy and sampled outputs' log-probabilities, and a prompt's echoed ones computed in chunks
+    beside a decoding row with the prefix cache on (holding that very prompt): all within 1e-4 of
+    transformers' float32 log_softmax for the same prefix."""
+    hf_tokenizer, hf = smollm2_hf
+    prompt = hf_tokenizer(" ".join(SMOLLM2_PROMPTS) + " The answer is")["input_ids"]
+    assert len(prompt) > 32
+    with EngineProcess("--model", "smollm2", "--dtype", "float32", "--quantize", "none", "--max-batch", "4",
+                       "--max-context", "256", "--max-prefill-tokens", "16", "--prefix-cache-tokens", "128") as proc, \
+            grpc.insecure_channel(f"127.0.0.1:{proc.port}") as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+
+        def run(**fields) -> list[pb.DecodeResponse]:  # type: ignore[no-untyped-def]
+            return list(stub.Decode(pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=prompt), ignore_eos=True,
+                                                     top_logprobs=TOP, **fields), timeout=120))
+
+        greedy = run(max_new_tokens=8)
+        sampled = run(max_new_tokens=8, sampling=pb.SamplingParams(temperature=1.5, top_k=20, seed=3,
+                                                                   repetition_penalty=1.3))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a row decoding while the prompt is echoed
+            busy = pool.submit(lambda: list(stub.Decode(pb.DecodeRequest(
+                prompt_text="Count: one two three", max_new_tokens=48, ignore_eos=True), timeout=120)))
+            echoed = run(max_new_tokens=1, echo_prompt_logprobs=True)
+            busy.result()
+    worst = 0.0
+    for responses in (greedy, sampled):
+        tokens = [t for r in responses for t in r.token_ids]
+        reported = [lp for r in responses for lp in r.logprobs]
+        assert all(len(r.logprobs) == len(r.token_ids) for r in responses)
+        assert not any(r.prompt_logprobs for r in responses)
+        reference = _hf_logits(hf, prompt + tokens)[len(prompt) - 1:-1]
+        worst = max(worst, _check_logprobs(reported, tokens, reference))
+    assert [t for r in greedy for t in r.token_ids] != [t for r in sampled for t in r.token_ids]
+    assert len(echoed[0].prompt_logprobs) == len(prompt) - 1
+    assert not any(r.prompt_logprobs for r in echoed[1:])
+    assert echoed[-1].usage.cached_prompt_tokens == 0  # computed whole, though the cache holds it
+    worst = max(worst, _check_logprobs(echoed[0].prompt_logprobs, prompt[1:], _hf_logits(hf, prompt)[:-1]))
+    assert worst < LOGIT_TOLERANCE, worst

@@ -13,7 +13,7 @@ import torch
 from engine_service.faults import FaultInjector, FaultPlan
 from engine_service.loop import DecodeLoop, Emission
 from engine_service.model.loader import load_model
-from engine_service.model_runner import ModelRunner
+from engine_service.model_runner import ModelRunner, StepLogits
 from engine_service.requests import Request, SamplingParams
 from engine_service.scheduler import Prefill, Scheduler
 from engine_service.sequence import Sequence
@@ -53,11 +53,11 @@ class Recorder:
         self.moves.append((a, b, -1))
         self.runner.cache.swap_rows(a, b, length_a, length_b)
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> torch.Tensor:
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> StepLogits:
         logits = self.runner.forward(decoding, prefills)
         producing = decoding + [p.seq for p in prefills if p.completes]
         for row, seq in enumerate(producing):
-            self.logits.setdefault(seq.request_id, []).append(logits[row].clone())
+            self.logits.setdefault(seq.request_id, []).append(logits.sampled[row].clone())
         return logits
 
 

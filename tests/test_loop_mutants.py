@@ -20,6 +20,7 @@ from engine_service.faults import FaultInjector, FaultPlan
 from engine_service.loop import FATAL_EXIT_CODE, DecodeLoop, Emission, set_threads
 from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.presets import PRESETS
+from engine_service.model_runner import StepLogits
 from engine_service.prefill_budget import PrefillBudget
 from engine_service.prefix_cache import PrefixCache, PrefixCacheStats
 from engine_service.requests import Request, SamplingParams
@@ -45,18 +46,18 @@ class OneHotRunner:
     def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
         del a, b, length_a, length_b
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> torch.Tensor:
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> StepLogits:
         self.forwards += 1
         logits = torch.zeros(len(decoding) + sum(p.completes for p in prefills), 8)
         logits[:, 1] = 1.0
-        return logits
+        return StepLogits(logits)
 
 
 class ExtraRowRunner(OneHotRunner):
     """A runner with a shape bug: one row of logits more than sequences running."""
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> torch.Tensor:
-        return torch.zeros(len(decoding) + sum(p.completes for p in prefills) + 1, 8)
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> StepLogits:
+        return StepLogits(torch.zeros(len(decoding) + sum(p.completes for p in prefills) + 1, 8))
 
 
 def request(request_id: str, max_new: int = 3, deadline: float | None = None, sampling: SamplingParams | None = None,
@@ -211,7 +212,7 @@ def test_stop_and_end_tokens_finish_a_sequence() -> None:
 def test_a_runner_shape_bug_is_not_spread_over_the_wrong_rows() -> None:
     h = Harness(runner=ExtraRowRunner())
     h.submit(request("a"))
-    with pytest.raises(ValueError, match="zip"):  # the loop's caller turns this into engine_fatal
+    with pytest.raises(ValueError, match="one entry per row of logits"):  # the loop's caller turns this into engine_fatal
         h.step()
 
 
@@ -375,7 +376,7 @@ class KVRunner:
             self.cache.k[:, row, :, start + i] = kv_value(token, start + i)
             self.cache.v[:, row, :, start + i] = -kv_value(token, start + i)
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> torch.Tensor:
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> StepLogits:
         for row, seq in enumerate(decoding):
             self._write(row, seq.total_len - 1, seq.generated[-1:])
         for p in prefills:
@@ -385,7 +386,7 @@ class KVRunner:
         logits = torch.zeros(len(producing), 64)
         for row, seq in enumerate(producing):
             logits[row, 3 + seq.total_len * 7 % 50] = 1.0
-        return logits
+        return StepLogits(logits)
 
 
 def prefix_harness(prefix: PrefixCache) -> tuple[Harness, KVRunner]:

@@ -11,6 +11,7 @@ import torch
 
 from engine_service.faults import FaultInjector, FaultPlan
 from engine_service.loop import DecodeLoop, Emission
+from engine_service.model_runner import StepLogits
 from engine_service.requests import Request, SamplingParams
 from engine_service.scheduler import Prefill, Scheduler
 from engine_service.sequence import FinishReason, Sequence
@@ -40,14 +41,14 @@ class FakeRunner:
         self.cache = FakeCache()
         self.forwards: list[tuple[list[str], int]] = []
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> torch.Tensor:
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> StepLogits:
         """(the decoding rows and the prefilling ones, how many decode) for each forward"""
         self.forwards.append(([s.request_id for s in decoding] + [p.seq.request_id for p in prefills], len(decoding)))
         producing = decoding + [p.seq for p in prefills if p.completes]
         logits = torch.zeros(len(producing), VOCAB)
         for row, s in enumerate(producing):
             logits[row, expected_token(s.request.prompt_ids[0], s.total_len)] = 1.0
-        return logits
+        return StepLogits(logits)
 
 
 def expected_token(first: int, total_len: int) -> int:

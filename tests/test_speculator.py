@@ -4,10 +4,14 @@ finds it, over a real Scheduler and DecodeLoop."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 import torch
 
 from engine_service.faults import FaultInjector, FaultPlan
 from engine_service.loop import DecodeLoop, Emission
+from engine_service.model_runner import StepLogits
 from engine_service.prefill_budget import PrefillBudget
 from engine_service.requests import Request, SamplingParams
 from engine_service.sampler import new_generator
@@ -43,7 +47,7 @@ class SpeculatingRunner:
         self.drafts_seen: list[list[list[int]] | None] = []
 
     def forward(self, decoding: list[Sequence], prefills: list[Prefill],
-                drafts: list[list[int]] | None = None) -> torch.Tensor:
+                drafts: list[list[int]] | None = None) -> StepLogits:
         self.drafts_seen.append(drafts)
         rows = []
         for i, seq in enumerate(decoding):
@@ -52,7 +56,7 @@ class SpeculatingRunner:
         rows += [continuation(p.seq, len(p.seq.request.prompt_ids)) for p in prefills if p.completes]
         logits = torch.zeros(len(rows), VOCAB)
         logits[torch.arange(len(rows)), torch.tensor(rows, dtype=torch.long)] = 1.0
-        return logits
+        return StepLogits(logits)
 
 
 def request(request_id: str, first: int, max_new: int, stop: frozenset[int] = frozenset()) -> Request:
@@ -126,14 +130,14 @@ def test_wrong_drafts_are_cut_at_the_first_mismatch() -> None:
         """The model disagrees with every draft's second token."""
 
         def forward(self, decoding, prefills, drafts=None):  # type: ignore[no-untyped-def]
-            logits = super().forward(decoding, prefills, drafts)
+            logits = super().forward(decoding, prefills, drafts).sampled
             if drafts is not None:
                 at = 0
                 for draft in drafts:
                     if len(draft) >= 2:
                         logits[at + 1] = torch.roll(logits[at + 1], 1)  # row 1 predicts draft[1]: now another
                     at += 1 + len(draft)
-            return logits
+            return StepLogits(logits)
 
     speculator = Speculator(SpeculativeConfig(num_tokens=4))
     runner = Contrarian()
@@ -170,14 +174,32 @@ def test_speculator_drafts_and_choose_directly() -> None:
     seq.generated = [2, 3] + [4] * 6  # 8 of 10 generated: room for one token after this step's first
     seq.ngram = None
     assert speculator.drafts([seq]) is None or all(len(d) <= 1 for d in speculator.drafts([seq]))
-    other = Sequence(request("b", 0, 10), sink=None)
     logits = torch.zeros(4 + 1, VOCAB)
     for row, token in enumerate([4, 0, 2, 9]):
         logits[row, token] = 1.0
-    logits[4, 7] = 1.0  # the completing prefill's row
-    out = Speculator.choose(logits, [seq, other], [[4, 0, 1]])
-    assert out == [[4, 0, 2], [7]]
+    logits[4, 7] = 1.0  # a completing prefill's row: the loop's to sample, not choose's
+    out = Speculator.choose(logits, [seq], [[4, 0, 1]])
+    assert out == [[4, 0, 2]]
     assert (seq.draft_tokens, seq.accepted_tokens) == (3, 2)
+    with pytest.raises(ValueError):
+        Speculator.choose(logits, [seq, seq], [[4, 0, 1]])  # one draft per decoding row
+
+
+def test_rows_whose_logits_are_processed_never_speculate() -> None:
+    speculator = Speculator(SpeculativeConfig(num_tokens=3, min_n=2, max_n=2), max_rows=2)
+    seq = Sequence(request("a", 0, 10), sink=None)
+    seq.generated = [2, 3]
+    assert speculator.drafts([seq]) == [[4, 0, 1]]
+    for params in (SamplingParams(repetition_penalty=1.2), SamplingParams(presence_penalty=0.5),
+                   SamplingParams(frequency_penalty=-0.5), SamplingParams(min_new_tokens=3),
+                   SamplingParams(logit_bias=((1, 2.0),))):
+        other = Sequence(replace(seq.request, sampling=params), sink=None)
+        other.generated = [2, 3]
+        assert speculator.drafts([seq, other]) is None, params
+    constrained = Sequence(seq.request, sink=None)
+    constrained.generated = [2, 3]
+    constrained.constraint = object()  # type: ignore[assignment]
+    assert speculator.drafts([constrained]) is None
 
 
 # -- found by `make mutate` (docs/mutation-testing.md) -------------------------------------------

@@ -24,41 +24,55 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65ngine/v1/engine.proto\x12\tengine.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.engine.v1.ChatMessage\"\x8d\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.engine.v1.TokenIdsH\x00\x12%\n\x04\x63hat\x18\x08 \x01(\x0b\x32\x15.engine.v1.ChatPromptH\x00\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.engine.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x08\n\x06prompt\"\x9e\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12 \n\x18speculative_draft_tokens\x18\x04 \x01(\r\x12#\n\x1bspeculative_accepted_tokens\x18\x05 \x01(\r\"[\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\xb9\x01\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.engine.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.engine.v1.Usage\x12!\n\x06timing\x18\x06 \x01(\x0b\x32\x11.engine.v1.Timing\"\x16\n\x14GetServerInfoRequest\"\xf2\x02\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x1c\n\x14max_new_tokens_limit\x18\x03 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x16\n\x0equeue_capacity\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x11\n\ttokenizer\x18\n \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x0b \x01(\t\x12\x14\n\x0c\x62os_token_id\x18\x0c \x01(\r\x12\x19\n\x11has_chat_template\x18\r \x01(\x08\x12\x14\n\x0cquantization\x18\x0e \x01(\t\x12\x16\n\x0e\x63pu_capability\x18\x0f \x01(\t\x12\x18\n\x10precision_reason\x18\x10 \x01(\t\"\x10\n\x0eGetLoadRequest\"\xf0\x01\n\x04Load\x12\x19\n\x11running_sequences\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x1c\n\x14kv_cache_used_tokens\x18\x03 \x01(\x04\x12 \n\x18kv_cache_capacity_tokens\x18\x04 \x01(\x04\x12\x19\n\x11requests_finished\x18\x05 \x01(\x04\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12 \n\x18prefix_cache_used_tokens\x18\x07 \x01(\x04\x12$\n\x1cprefix_cache_capacity_tokens\x18\x08 \x01(\x04*\xb8\x02\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_REASON_INVALID_FIELD\x10\x01\x12(\n$ERROR_REASON_CONTEXT_LENGTH_EXCEEDED\x10\x02\x12\x1b\n\x17\x45RROR_REASON_QUEUE_FULL\x10\x03\x12!\n\x1d\x45RROR_REASON_SEQUENCE_ABORTED\x10\x04\x12 \n\x1c\x45RROR_REASON_ENGINE_DRAINING\x10\x05\x12\"\n\x1e\x45RROR_REASON_DEADLINE_EXCEEDED\x10\x06\x12 \n\x1c\x45RROR_REASON_UNAUTHENTICATED\x10\x07\x12\x19\n\x15\x45RROR_REASON_INTERNAL\x10\x08*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xd0\x01\n\rEngineService\x12?\n\x06\x44\x65\x63ode\x12\x18.engine.v1.DecodeRequest\x1a\x19.engine.v1.DecodeResponse0\x01\x12G\n\rGetServerInfo\x12\x1f.engine.v1.GetServerInfoRequest\x1a\x15.engine.v1.ServerInfo\x12\x35\n\x07GetLoad\x12\x19.engine.v1.GetLoadRequest\x1a\x0f.engine.v1.Loadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65ngine/v1/engine.proto\x12\tengine.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb9\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x16\n\x0emin_new_tokens\x18\t \x01(\r\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.engine.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\nChatPrompt\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.engine.v1.ChatMessage\"\x83\x03\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.engine.v1.TokenIdsH\x00\x12%\n\x04\x63hat\x18\x08 \x01(\x0b\x32\x15.engine.v1.ChatPromptH\x00\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.engine.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x1c\n\x14\x65\x63ho_prompt_logprobs\x18\x0b \x01(\x08\x12\x32\n\x0fresponse_format\x18\x0c \x01(\x0b\x32\x19.engine.v1.ResponseFormatB\x08\n\x06prompt\"Z\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x03 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"c\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.engine.v1.TopLogprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x9e\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12 \n\x18speculative_draft_tokens\x18\x04 \x01(\r\x12#\n\x1bspeculative_accepted_tokens\x18\x05 \x01(\r\"[\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\xab\x02\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.engine.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.engine.v1.Usage\x12!\n\x06timing\x18\x06 \x01(\x0b\x32\x11.engine.v1.Timing\x12\x13\n\x0bstop_string\x18\x07 \x01(\t\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.engine.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x17.engine.v1.TokenLogprob\"R\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.engine.v1.ChatPromptH\x00\x42\x08\n\x06prompt\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06pieces\x18\x02 \x03(\t\"\x16\n\x14GetServerInfoRequest\"\xf2\x02\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x1c\n\x14max_new_tokens_limit\x18\x03 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x16\n\x0equeue_capacity\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x14\n\x0c\x65os_token_id\x18\x07 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x11\n\ttokenizer\x18\n \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x0b \x01(\t\x12\x14\n\x0c\x62os_token_id\x18\x0c \x01(\r\x12\x19\n\x11has_chat_template\x18\r \x01(\x08\x12\x14\n\x0cquantization\x18\x0e \x01(\t\x12\x16\n\x0e\x63pu_capability\x18\x0f \x01(\t\x12\x18\n\x10precision_reason\x18\x10 \x01(\t\"\x10\n\x0eGetLoadRequest\"\xf0\x01\n\x04Load\x12\x19\n\x11running_sequences\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x1c\n\x14kv_cache_used_tokens\x18\x03 \x01(\x04\x12 \n\x18kv_cache_capacity_tokens\x18\x04 \x01(\x04\x12\x19\n\x11requests_finished\x18\x05 \x01(\x04\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12 \n\x18prefix_cache_used_tokens\x18\x07 \x01(\x04\x12$\n\x1cprefix_cache_capacity_tokens\x18\x08 \x01(\x04*\xb8\x02\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_REASON_INVALID_FIELD\x10\x01\x12(\n$ERROR_REASON_CONTEXT_LENGTH_EXCEEDED\x10\x02\x12\x1b\n\x17\x45RROR_REASON_QUEUE_FULL\x10\x03\x12!\n\x1d\x45RROR_REASON_SEQUENCE_ABORTED\x10\x04\x12 \n\x1c\x45RROR_REASON_ENGINE_DRAINING\x10\x05\x12\"\n\x1e\x45RROR_REASON_DEADLINE_EXCEEDED\x10\x06\x12 \n\x1c\x45RROR_REASON_UNAUTHENTICATED\x10\x07\x12\x19\n\x15\x45RROR_REASON_INTERNAL\x10\x08*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\x95\x02\n\rEngineService\x12?\n\x06\x44\x65\x63ode\x12\x18.engine.v1.DecodeRequest\x1a\x19.engine.v1.DecodeResponse0\x01\x12G\n\rGetServerInfo\x12\x1f.engine.v1.GetServerInfoRequest\x1a\x15.engine.v1.ServerInfo\x12\x35\n\x07GetLoad\x12\x19.engine.v1.GetLoadRequest\x1a\x0f.engine.v1.Load\x12\x43\n\x08Tokenize\x12\x1a.engine.v1.TokenizeRequest\x1a\x1b.engine.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'engine.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORREASON']._serialized_start=1620
-  _globals['_ERRORREASON']._serialized_end=1932
-  _globals['_FINISHREASON']._serialized_start=1934
-  _globals['_FINISHREASON']._serialized_end=2052
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_ERRORREASON']._serialized_start=2480
+  _globals['_ERRORREASON']._serialized_end=2792
+  _globals['_FINISHREASON']._serialized_start=2794
+  _globals['_FINISHREASON']._serialized_end=2912
   _globals['_TOKENIDS']._serialized_start=37
   _globals['_TOKENIDS']._serialized_end=60
-  _globals['_SAMPLINGPARAMS']._serialized_start=62
-  _globals['_SAMPLINGPARAMS']._serialized_end=143
-  _globals['_CHATMESSAGE']._serialized_start=145
-  _globals['_CHATMESSAGE']._serialized_end=189
-  _globals['_CHATPROMPT']._serialized_start=191
-  _globals['_CHATPROMPT']._serialized_end=245
-  _globals['_DECODEREQUEST']._serialized_start=248
-  _globals['_DECODEREQUEST']._serialized_end=517
-  _globals['_USAGE']._serialized_start=520
-  _globals['_USAGE']._serialized_end=678
-  _globals['_TIMING']._serialized_start=680
-  _globals['_TIMING']._serialized_end=771
-  _globals['_DECODERESPONSE']._serialized_start=774
-  _globals['_DECODERESPONSE']._serialized_end=959
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=961
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=983
-  _globals['_SERVERINFO']._serialized_start=986
-  _globals['_SERVERINFO']._serialized_end=1356
-  _globals['_GETLOADREQUEST']._serialized_start=1358
-  _globals['_GETLOADREQUEST']._serialized_end=1374
-  _globals['_LOAD']._serialized_start=1377
-  _globals['_LOAD']._serialized_end=1617
-  _globals['_ENGINESERVICE']._serialized_start=2055
-  _globals['_ENGINESERVICE']._serialized_end=2263
+  _globals['_SAMPLINGPARAMS']._serialized_start=63
+  _globals['_SAMPLINGPARAMS']._serialized_end=376
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=328
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=376
+  _globals['_CHATMESSAGE']._serialized_start=378
+  _globals['_CHATMESSAGE']._serialized_end=422
+  _globals['_CHATPROMPT']._serialized_start=424
+  _globals['_CHATPROMPT']._serialized_end=478
+  _globals['_DECODEREQUEST']._serialized_start=481
+  _globals['_DECODEREQUEST']._serialized_end=868
+  _globals['_RESPONSEFORMAT']._serialized_start=870
+  _globals['_RESPONSEFORMAT']._serialized_end=960
+  _globals['_TOKENLOGPROB']._serialized_start=962
+  _globals['_TOKENLOGPROB']._serialized_end=1061
+  _globals['_TOPLOGPROB']._serialized_start=1063
+  _globals['_TOPLOGPROB']._serialized_end=1124
+  _globals['_USAGE']._serialized_start=1127
+  _globals['_USAGE']._serialized_end=1285
+  _globals['_TIMING']._serialized_start=1287
+  _globals['_TIMING']._serialized_end=1378
+  _globals['_DECODERESPONSE']._serialized_start=1381
+  _globals['_DECODERESPONSE']._serialized_end=1680
+  _globals['_TOKENIZEREQUEST']._serialized_start=1682
+  _globals['_TOKENIZEREQUEST']._serialized_end=1764
+  _globals['_TOKENIZERESPONSE']._serialized_start=1766
+  _globals['_TOKENIZERESPONSE']._serialized_end=1819
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1821
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1843
+  _globals['_SERVERINFO']._serialized_start=1846
+  _globals['_SERVERINFO']._serialized_end=2216
+  _globals['_GETLOADREQUEST']._serialized_start=2218
+  _globals['_GETLOADREQUEST']._serialized_end=2234
+  _globals['_LOAD']._serialized_start=2237
+  _globals['_LOAD']._serialized_end=2477
+  _globals['_ENGINESERVICE']._serialized_start=2915
+  _globals['_ENGINESERVICE']._serialized_end=3192
 # @@protoc_insertion_point(module_scope)

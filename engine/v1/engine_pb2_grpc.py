@@ -49,6 +49,11 @@ class EngineServiceStub:
                 request_serializer=engine_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=engine_dot_v1_dot_engine__pb2.Load.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/engine.v1.EngineService/Tokenize',
+                request_serializer=engine_dot_v1_dot_engine__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=engine_dot_v1_dot_engine__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -67,7 +72,12 @@ class EngineServiceServicer:
         - INVALID_ARGUMENT / INVALID_FIELD: a field is invalid (BadRequest.FieldViolation names it:
         request_id, prompt, prompt_text, prompt_token_ids.ids, chat, chat.messages,
         chat.messages[i].role, max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
-        stop_token_ids, or "request" when the bytes do not decode).
+        sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty,
+        sampling.min_p, sampling.min_new_tokens, sampling.logit_bias, stop_token_ids, stop,
+        top_logprobs, response_format.json_schema, response_format.regex,
+        response_format.lark_grammar, or "request" when the bytes do not decode). max_new_tokens
+        and the sampling fields are checked before the prompt is tokenized or rendered; a
+        prompt_text that tokenizes to nothing is INVALID_FIELD on prompt_text.
         Sent before anything is queued. Never retry. For `chat`: `chat` when the model has no chat
         template (send prompt_text or prompt_token_ids instead); `chat.messages` when the list is
         empty or longer than max_context_tokens, when the model's chat template refuses the
@@ -114,6 +124,20 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Tokenize returns the token ids Decode would use for a prompt (BOS and chat template included)
+        and each id's text, so that a caller can count and trim before sending. A prompt longer than
+        max_context_tokens is tokenized all the same (to be trimmed), up to the same bound on
+        characters that Decode applies before tokenizing.
+        Errors: INVALID_ARGUMENT / INVALID_FIELD (prompt, text, chat, chat.messages,
+        chat.messages[i].role, as Decode's: text is Decode's prompt_text); INVALID_ARGUMENT /
+        CONTEXT_LENGTH_EXCEEDED (text or chat over 64 characters per token of max_context_tokens);
+        UNAUTHENTICATED / UNAUTHENTICATED; INTERNAL / INTERNAL.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +155,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=engine_dot_v1_dot_engine__pb2.GetLoadRequest.FromString,
                     response_serializer=engine_dot_v1_dot_engine__pb2.Load.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=engine_dot_v1_dot_engine__pb2.TokenizeRequest.FromString,
+                    response_serializer=engine_dot_v1_dot_engine__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -214,6 +243,33 @@ class EngineService:
             '/engine.v1.EngineService/GetLoad',
             engine_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
             engine_dot_v1_dot_engine__pb2.Load.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engine.v1.EngineService/Tokenize',
+            engine_dot_v1_dot_engine__pb2.TokenizeRequest.SerializeToString,
+            engine_dot_v1_dot_engine__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,6 +28,13 @@ class ByteTokenizer:
     def stream_decoder(self) -> ByteStreamDecoder:
         return ByteStreamDecoder()
 
+    def piece(self, token_id: int) -> str:
+        """One id's own text: its byte (U+FFFD when it is part of a character), "<s>" and "</s>"
+        for BOS and EOS."""
+        if token_id < 256:
+            return bytes([token_id]).decode("utf-8", errors="replace")
+        return {BOS_ID: "<s>", EOS_ID: "</s>"}.get(token_id, "")
+
 
 class ByteStreamDecoder:
     """Incremental detokenizer: bytes of an incomplete UTF-8 character are held back."""

@@ -33,6 +33,7 @@ class HFTokenizer:
         self.vocab_size = vocab_size
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
+        self._pieces: dict[int, str] = {}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -42,6 +43,19 @@ class HFTokenizer:
 
     def stream_decoder(self) -> HFStreamDecoder:
         return HFStreamDecoder(self._tokenizer)
+
+    def piece(self, token_id: int) -> str:
+        """One id's own text, special tokens included (a part of a character decodes to U+FFFD);
+        "" for an id past the tokenizer's vocabulary (a model's padding rows)."""
+        text = self._pieces.get(token_id)
+        if text is None:
+            text = self._pieces[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    @property
+    def json(self) -> str:
+        """The tokenizer as tokenizer.json text (for the constrained-decoding compiler)."""
+        return self._tokenizer.to_str()
 
 
 class HFStreamDecoder:

@@ -9,7 +9,7 @@ G = H // KV, D head dim, L attended length.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -283,16 +283,16 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def step(self, decode_tokens: torch.Tensor, decode_positions: torch.Tensor, chunk_tokens: torch.Tensor,
-             chunks: Sequence[PromptChunk], cache: KVCache, logits_of: Sequence[int] | None = None,
-             every_token_of: int = 0) -> torch.Tensor:
+             chunks: Sequence[PromptChunk], cache: KVCache, logits_of: Collection[int] | None = None,
+             every_token_of: Collection[int] = ()) -> torch.Tensor:
         """One step of continuous batching as one pass over the weights: rows 0..d-1 decode one
         token each (`decode_tokens` at `decode_positions`, both (d,)), and `chunks` of prompts
         prefill, their tokens one after another in `chunk_tokens` (N,), nothing padded. A chunk's
         keys and values go into its row at its positions, and it attends to the row's cached
-        positions before it. Returns (d + K, V): the decoding rows' logits, then every token's of
-        the first `every_token_of` chunks (a speculative draft being verified), then those of the
-        last token of each later chunk numbered in `logits_of`; or every chunk token's (d + N, V)
-        when `logits_of` is None."""
+        positions before it. Returns (d + K, V): the decoding rows' logits, then, chunk by chunk in
+        order, every token's of a chunk numbered in `every_token_of` (a speculative draft being
+        verified, a prompt whose log-probabilities are asked for), or the last token's of a chunk
+        numbered in `logits_of`; or every chunk token's (d + N, V) when `logits_of` is None."""
         device = chunk_tokens.device
         d = decode_tokens.shape[0]
         chunk_positions = [torch.arange(c.start, c.start + c.length) for c in chunks]
@@ -302,11 +302,15 @@ class LlamaForCausalLM(nn.Module):
                                mask, chunks, cache)
         if logits_of is None:
             return self._logits(hidden)
-        lengths = torch.tensor([c.length for c in chunks], dtype=torch.long)
-        ends = d + lengths.cumsum(0) - 1
-        spans = torch.arange(d + int(lengths[:every_token_of].sum()))  # the decoding rows' and the drafts'
-        picked = torch.cat([spans, ends[list(logits_of)]]).to(device)
-        return self._logits(hidden[picked])
+        every, last = set(every_token_of), set(logits_of)
+        picked, at = list(range(d)), d
+        for i, c in enumerate(chunks):
+            if i in every:
+                picked.extend(range(at, at + c.length))
+            elif i in last:
+                picked.append(at + c.length - 1)
+            at += c.length
+        return self._logits(hidden[torch.tensor(picked, dtype=torch.long, device=device)])
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
