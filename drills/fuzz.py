@@ -283,9 +283,12 @@ tokenize_cases = st.one_of(_cases(tokenize_requests().map(lambda m: m.SerializeT
 
 
 # Cases earlier runs found, sent first in every run (quick ones too). A subnormal temperature
-# (5.7e-44) once overflowed the sampler to NaN and crashed the engine.
+# (5.7e-44) once overflowed the sampler to NaN and crashed the engine; so did a subnormal
+# repetition_penalty (1.4e-45, valid: > 0) when sampling (positive logits divided by it are inf).
 REGRESSIONS = [
     ("message", b"\x12\x02\xc3\xb7 \x05*\x10\r)\x00\x00\x00\x15)\x00\x00\x00\x18\xff\x01 \xceu"),
+    ("message", pb.DecodeRequest(prompt_text="edge", max_new_tokens=4, sampling=pb.SamplingParams(
+        temperature=0.365, repetition_penalty=2.0**-149)).SerializeToString()),
 ]
 
 
@@ -597,6 +600,7 @@ def run(quick: bool) -> Row:
         def judge(kind: str, raw: bytes, got: Answer, allowed: tuple[Outcome, ...], wrong: list[str]) -> None:
             kinds[kind] += 1
             answers[(f"{got.code}/{got.reason}" if got.reason else got.code)] += 1
+            failures = bad if not acceptable(got) else mispredicted
             if not acceptable(got):
                 bad.append(f"{kind} {raw[:60]!r}: {got.short()}")
             elif not any(o.matches(got) for o in allowed):
@@ -604,6 +608,11 @@ def run(quick: bool) -> Row:
                                     f"{dict(got.metadata)}, expected {' or '.join(map(str, allowed))}")
             elif got.ok and wrong:
                 mispredicted.append(f"{kind} {raw[:60]!r}: OK but {'; '.join(wrong[:2])}")
+            else:
+                return
+            if len(failures) == 1:  # the whole case, to replay it (the row shows 60 bytes)
+                note(NAME, f"first {'answer outside the contract' if failures is bad else 'misprediction'}: "
+                           f"{failures[0]}; the whole case: {raw[:4000]!r}")
 
         def send(case: tuple[str, bytes]) -> None:
             kind, raw = case

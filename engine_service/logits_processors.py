@@ -117,7 +117,11 @@ def process(logits: torch.Tensor, params: Sequence[SamplingParams], penalties: S
             if p.repetition_penalty != 1.0:
                 penalty, ids = p.repetition_penalty, state.seen_ids
                 seen = row[ids]
-                row.index_copy_(0, ids, torch.where(seen < 0, seen * penalty, seen / penalty))
+                # A tiny penalty (down to the smallest float32) divides a positive logit to +inf,
+                # which no sampler can draw from: the largest float instead (masked -inf stays).
+                penalized = torch.where(seen < 0, seen * penalty, seen / penalty)
+                row.index_copy_(0, ids, penalized.nan_to_num_(posinf=torch.finfo(row.dtype).max,
+                                                              neginf=float("-inf")))
             if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
                 # every token of output_ids has a count > 0: its presence term is the whole penalty
                 ids = state.output_ids

@@ -297,7 +297,7 @@ def test_smollm2_logprobs_equal_transformers_log_softmax(smollm2_hf) -> None:  #
     beside a decoding row with the prefix cache on (holding that very prompt): all within 1e-4 of
     transformers' float32 log_softmax for the same prefix."""
     hf_tokenizer, hf = smollm2_hf
-    prompt = hf_tokenizer(" ".join(SMOLLM2_PROMPTS) + " The answer is")["input_ids"]
+    prompt = hf_tokenizer(" ".join(SMOLLM2_PROMPTS * 2) + " The answer is")["input_ids"]
     assert len(prompt) > 32
     with EngineProcess("--model", "smollm2", "--dtype", "float32", "--quantize", "none", "--max-batch", "4",
                        "--max-context", "256", "--max-prefill-tokens", "16", "--prefix-cache-tokens", "128") as proc, \

@@ -10,6 +10,7 @@ Penalties.add kept incrementally equal to a recount. In-process, milliseconds ea
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -323,3 +324,17 @@ def test_greedy_rows_ignore_min_p_and_sampled_rows_draw_inside_it() -> None:
     for row in range(4, 8):
         allowed = torch.softmax(logits[row], -1) >= 0.5 * torch.softmax(logits[row], -1).max()
         assert allowed[tokens[row]]
+
+
+def test_the_smallest_repetition_penalty_keeps_logits_finite_and_samplable() -> None:
+    """Found by the fuzz drill: 2**-149 divided a positive logit to +inf, and multinomial refused
+    the row (the engine exited). Now the largest float: a seen positive token is drawn."""
+    params = SamplingParams(temperature=0.365, repetition_penalty=2.0 ** -149)
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -0.5]])
+    state = Penalties([0, 1, 2], 5, torch.device("cpu"))
+    out = process(logits, [params], [state], [0], [frozenset()])
+    assert torch.isfinite(out).all()
+    assert out[0, 0].item() == out[0, 2].item() == torch.finfo(torch.float32).max
+    assert sample(out, [params], [new_generator(params, torch.device("cpu"))])[0] in (0, 2)
+    masked = process(logits, [replace(params, min_new_tokens=1)], [state], [0], [frozenset({0})])
+    assert masked[0, 0].item() == float("-inf")  # a masked token stays masked
