@@ -1,6 +1,6 @@
 """Structured output: what the grammar masks cost one decode step, on SmolLM2's 49,152-token vocabulary.
 
-    python benchmarks/structured_output.py [--rows 1,8] [--steps 200] [--device cpu]
+    python benchmarks/structured_output.py [--rows 1,8] [--steps 200] [--device cpu] [--threads N]
 
 Each constrained row holds a typical JSON schema (an object of strings, integers, an enum, an array
 of bounded length), compiled once as the engine does at admission (a fresh one when a row's output
@@ -25,8 +25,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import llguidance.torch
 
 from engine_service.constraint import ConstraintCompiler, apply_masks
 from engine_service.cpu import detect
@@ -61,7 +59,7 @@ def percentile(values: list[float], q: float) -> float:
 def measure(compiler: ConstraintCompiler, rows: int, steps: int, device: torch.device) -> dict[str, list[float]]:
     fmt = ResponseFormat("json_schema", SCHEMA)
     constraints = [compiler.compile(fmt) for _ in range(rows)]
-    scratch = llguidance.torch.allocate_token_bitmask(rows, compiler.vocab_size)
+    scratch = torch.zeros(rows, (compiler.vocab_size + 31) // 32, dtype=torch.int32)
     generator = torch.Generator(device=device).manual_seed(0)
     times: dict[str, list[float]] = {"apply_masks": [], "llguidance": [], "consume": [], "compile": []}
     row_ids = list(range(rows))
@@ -76,8 +74,8 @@ def measure(compiler: ConstraintCompiler, rows: int, steps: int, device: torch.d
                 torch.cuda.synchronize()
             times["apply_masks"].append(time.perf_counter() - started)
         else:  # llguidance's part alone, then apply_masks on the cached masks (not recorded)
-            llguidance.torch.fill_next_token_bitmask_par(
-                compiler._executor, [(c.matcher, i) for i, c in enumerate(constraints)], scratch)
+            compiler._executor.unsafe_compute_mask_ptr(
+                [(c.matcher, i) for i, c in enumerate(constraints)], scratch.data_ptr(), scratch.shape[1] * 4, rows)
             times["llguidance"].append(time.perf_counter() - started)
             apply_masks(logits, row_ids, constraints)
         tokens = logits[:rows].argmax(dim=-1).tolist()
@@ -98,7 +96,10 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8", help="constrained rows per step, comma-separated")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     gguf = read_gguf(PACKAGED["smollm2"].locate("smollm2"))
     config = parse_config(gguf)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -37,7 +38,6 @@ from concurrent.futures import Future
 from typing import Any, TypeVar, get_args
 
 import llguidance
-import llguidance.torch
 import numpy as np
 import structlog
 import torch
@@ -74,6 +74,7 @@ class _CompileThread:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self.pid = os.getpid()
         previous = threading.stack_size(COMPILE_STACK_BYTES)
         try:  # the size applies to threads started from now on: this one alone, then restored
             self._thread = threading.Thread(target=self._run, name="constraint-compiler", daemon=True)
@@ -102,9 +103,10 @@ _compile_thread_lock = threading.Lock()
 
 
 def _compile_worker() -> _CompileThread:
+    """The process's compile thread, started on first use (again in a forked child, which has none)."""
     global _compile_thread
     with _compile_thread_lock:
-        if _compile_thread is None:
+        if _compile_thread is None or _compile_thread.pid != os.getpid():
             _compile_thread = _CompileThread()
         return _compile_thread
 
@@ -159,7 +161,7 @@ class Constraint:
         for token in tokens:
             if not self.matcher.consume_token(token):
                 raise SequenceError.build(
-                    self.request_id, self.consumed,
+                    self.request_id or "(request id not given to compile)", self.consumed,
                     f"{self.format.field} constraint refused token {token}: {_clip(self.matcher.get_error())}",
                 )
             self.consumed += 1
@@ -167,8 +169,10 @@ class Constraint:
     @property
     def done(self) -> bool:
         """The matcher is stopped: the grammar is complete and nothing can extend it, or EOS was
-        consumed. Generation must end with finish STOP."""
-        return self.matcher.is_stopped()
+        consumed. Generation must end with finish STOP; any token after it but EOS is refused.
+        A matcher in error (llguidance's per-step limits hit mid-decode) is never done: the
+        `consume` after it raises instead, so an incomplete output never ends as STOP."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
 
     @property
     def accepting(self) -> bool:
@@ -293,8 +297,10 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[int], constraints: Sequence
 
     The masks are computed on the CPU into the compiler's one preallocated bitmask (several rows in
     one llguidance call, on its threads), expanded into one boolean row per mask (see `_forbidden`)
-    and filled in with `masked_fill_`: no Python loop over the vocabulary. A constraint that is already `done`
-    allows EOS alone. Called from one thread at a time per compiler (the engine's loop)."""
+    and filled in with `masked_fill_`: no Python loop over the vocabulary. A constraint that is
+    already `done` allows EOS alone. Every row keeps at least one allowed token (EOS, at worst),
+    unless the caller masks that too (min_new_tokens masking EOS, say). Called from one thread at a
+    time per compiler (the engine's loop): the bitmask is shared."""
     if len(rows) != len(constraints):
         raise ValueError(f"rows and constraints must pair up, got {len(rows)} rows and {len(constraints)} constraints")
     if not rows:
@@ -308,18 +314,32 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[int], constraints: Sequence
     if len(set(rows)) != count or not all(0 <= r < logits.shape[0] for r in rows):
         raise ValueError(f"rows must be distinct rows of the {logits.shape[0]} logits, got {list(rows)}")
     bitmask = compiler._bitmask_rows(count)
+    row_bytes = bitmask.shape[1] * bitmask.element_size()
+    # llguidance.torch's fill_next_token_bitmask(_par), whose module is not imported: it compiles
+    # a kernel with torch.compile at import, which costs seconds (it imports dynamo and inductor)
     if count == 1:
-        llguidance.torch.fill_next_token_bitmask(constraints[0].matcher, bitmask, 0)
+        constraints[0].matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), row_bytes)
     else:
-        llguidance.torch.fill_next_token_bitmask_par(
-            compiler._executor, [(c.matcher, i) for i, c in enumerate(constraints)], bitmask)
+        compiler._executor.unsafe_compute_mask_ptr(
+            [(c.matcher, i) for i, c in enumerate(constraints)], bitmask.data_ptr(), row_bytes, count)
     forbidden = _forbidden(bitmask, compiler.vocab_size, logits.device)
+    # On the CPU numpy fills float32 logits on this thread: torch's masked_fill_ splits 8 rows of a
+    # 49k vocabulary across its intra-op threads, and on a busy machine waits for a descheduled one
+    # (several ms, where the fill itself takes 0.2 ms).
+    by_numpy = logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad
     if all(r == first + i for i, r in enumerate(rows)):  # a run of rows: one fill, on a view
-        logits[first: first + count].masked_fill_(forbidden, float("-inf"))
+        _fill(logits[first: first + count], forbidden, by_numpy)
     else:
         for i, row in enumerate(rows):  # a loop over the rows (a few), never over the vocabulary
-            logits[row].masked_fill_(forbidden[i], float("-inf"))
+            _fill(logits[row], forbidden[i], by_numpy)
     return logits
+
+
+def _fill(logits: torch.Tensor, forbidden: torch.Tensor, by_numpy: bool) -> None:
+    if by_numpy:
+        np.copyto(logits.numpy(), -np.inf, where=forbidden.numpy())  # the view's memory: in place
+    else:
+        logits.masked_fill_(forbidden, float("-inf"))
 
 
 def _forbidden(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:

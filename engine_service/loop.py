@@ -181,10 +181,12 @@ class DecodeLoop:
         return sample(chosen, params, [s.generator for s in seqs])
 
     def _banned(self, seq: Sequence) -> frozenset[int]:
-        """The tokens min_new_tokens holds back while the sequence has fewer: EOS and its stop tokens."""
+        """The tokens min_new_tokens holds back while the sequence has fewer: EOS and its stop
+        tokens; a constrained row's EOS stays its grammar's (once complete it allows EOS alone)."""
         if seq.request.sampling.min_new_tokens <= len(seq.generated):
             return frozenset()
-        return self.end_token_ids | seq.request.stop_token_ids
+        ends = self.end_token_ids if seq.constraint is None else frozenset()
+        return ends | seq.request.stop_token_ids
 
     @staticmethod
     def _echo(prefill: Prefill, logits: torch.Tensor) -> None:

@@ -76,7 +76,8 @@ class EngineServicer:
             loaded = self.engine.loaded
             request = Request.parse(msg, self.engine.limits, loaded.tokenizer, deadline, loaded.chat_template)
             request_id = request.request_id
-            constraint = self.engine.compile(request.response_format) if request.response_format else None
+            constraint = await self.engine.compile(request.response_format, request.request_id) \
+                if request.response_format else None
             handle = self.engine.submit(request, trace=ids, constraint=constraint)
             async for response in self._stream(handle):
                 if response.finish_reason:
