@@ -11,6 +11,11 @@ median and 90th percentile of `apply_masks` per step, the share of it that is ll
 computation (timed apart, on the same states, before a second `apply_masks` that then reuses the
 cached mask), and `consume`; and the compile time, with the CPU it ran on. Only the tokenizer is
 loaded, not the model.
+
+With `--served`, it also starts the engine on SmolLM2 (its defaults) and measures, in one run, the
+engine's own time per output token (Timing: (total - first token) / (tokens - 1)) of chat requests
+with this schema and of the same requests without it, at 1 and 8 at once: the per-step cost of
+structured output as served.
 """
 
 from __future__ import annotations
@@ -91,12 +96,46 @@ def measure(compiler: ConstraintCompiler, rows: int, steps: int, device: torch.d
     return times
 
 
+def served(concurrency: tuple[int, ...], requests: int) -> None:
+    """TPOT with and without the schema, served (the engine's Timing), median over `requests`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.v1 import engine_pb2 as pb
+    from tools.local_engine import EngineProcess
+
+    question = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content=f"Invent a user as JSON: {SCHEMA}")])
+
+    def tpot(stub, constrained: bool, seed: int) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+        request = pb.DecodeRequest(chat=question, max_new_tokens=96, sampling=pb.SamplingParams(
+            temperature=0.7, seed=seed), response_format=pb.ResponseFormat(json_schema=SCHEMA) if constrained else None)
+        last = list(stub.Decode(request, timeout=300))[-1]
+        tokens = last.usage.completion_tokens
+        return (last.timing.total_seconds - last.timing.time_to_first_token_seconds) / max(1, tokens - 1), tokens
+
+    with EngineProcess("--model", "smollm2", "--max-batch", "8") as proc:
+        stub = proc.stub()
+        tpot(stub, True, 0)  # the compiler is built on first use: not measured
+        for n in concurrency:
+            figures = {}
+            for constrained in (False, True):
+                with ThreadPoolExecutor(n) as pool:
+                    out = list(pool.map(lambda i, c=constrained: tpot(stub, c, i), range(requests)))
+                figures[constrained] = (statistics.median(t for t, _ in out) * 1e3,
+                                        statistics.median(k for _, k in out))
+            (free_ms, free_tokens), (json_ms, json_tokens) = figures[False], figures[True]
+            print(f"served, {n} at once: TPOT without schema {free_ms:.1f} ms ({free_tokens:.0f} tokens), with "
+                  f"schema {json_ms:.1f} ms ({json_tokens:.0f} tokens): +{json_ms - free_ms:.1f} ms per step, "
+                  f"x{json_ms / free_ms:.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,8", help="constrained rows per step, comma-separated")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--served", action="store_true", help="also measure TPOT served, with and without the schema")
+    parser.add_argument("--requests", type=int, default=16, help="--served: requests per figure")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,6 +157,8 @@ def main() -> None:
               f"p90 {percentile(ms['apply_masks'], 0.9):.3f} ms (llguidance's masks median "
               f"{statistics.median(ms['llguidance']):.3f} ms); consume median {statistics.median(ms['consume']):.3f} "
               f"ms; compile median {compile_ms} ms over {len(ms['compile'])} outputs completed", flush=True)
+    if args.served:
+        served((1, 8), args.requests)
 
 
 if __name__ == "__main__":
