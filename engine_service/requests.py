@@ -160,7 +160,9 @@ def loggable_request_id(raw: str) -> str:
 def parse_tokenize(msg: Any, limits: Limits, tokenizer: Encoder, chat_template: ChatTemplate | None) -> tuple[int, ...]:
     """The token ids a TokenizeRequest's prompt makes, validated as Decode's prompt_text or chat is
     (its `text` is Decode's prompt_text, and named so). A prompt longer than max_context_tokens is
-    tokenized all the same, so that the caller can trim it, within MAX_CHARS_PER_TOKEN."""
+    tokenized all the same, so that the caller can trim it, within the bounds that protect the event
+    loop before tokenizing: MAX_CHARS_PER_TOKEN characters per token of context, and for chat at
+    most max_context_tokens messages."""
     which = msg.WhichOneof("prompt")
     if which is None:
         raise InvalidField("prompt", None, "prompt must be set: give text or chat")
