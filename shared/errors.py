@@ -69,7 +69,16 @@ class InvalidRequest(EngineError):
 
 
 class InvalidField(InvalidRequest):
-    """One field is invalid; `field` names it (BadRequest.FieldViolation on the wire)."""
+    """One field is invalid; `field` names it (BadRequest.FieldViolation on the wire).
+
+    The engine's fields (engine_service/requests.py, constraint.py; README's table gives each
+    bound): request_id, max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
+    sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty,
+    sampling.min_p, sampling.min_new_tokens, sampling.logit_bias, stop_token_ids, stop, stop[i],
+    top_logprobs, response_format, response_format.json_schema, response_format.regex,
+    response_format.lark_grammar, prompt, prompt_text, prompt_token_ids.ids, chat, chat.messages,
+    chat.messages[i].role, request (undecodable bytes); Tokenize's text for prompt_text.
+    """
 
     reason = "INVALID_FIELD"
 

@@ -4,8 +4,12 @@ sweep's [preview], which asks the same way before the first point."""
 
 from __future__ import annotations
 
+import ast
+import json
+import re
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from engine.v1 import engine_pb2 as pb
@@ -51,6 +55,140 @@ def test_a_cut_answer_says_so_on_stderr(chat_engine) -> None:  # type: ignore[no
     done = run_cli("chat", "the quick brown fox", "--target", chat_engine.address, "--max-new-tokens", "3")
     assert done.returncode == 0, done.stderr
     assert "(the answer stopped at --max-new-tokens 3)" in done.stderr
+
+
+def answer_of(proc: EngineProcess, messages: list[dict[str, str]], max_new_tokens: int,
+              **fields: object) -> tuple[str, list[pb.DecodeResponse]]:
+    """A direct Decode call's text and responses (greedy), with the extra DecodeRequest fields."""
+    responses = decode(proc.stub(), chat=chat_prompt(messages), max_new_tokens=max_new_tokens, **fields)
+    return "".join(r.text for r in responses), responses
+
+
+def stops_in(text: str) -> list[str]:
+    """Two characters of `text` each (not at its start, not U+FFFD, not blank at either end) where
+    they first occur, nearest its middle first: the text before one is what a --stop of it keeps."""
+    middle = len(text) // 2
+    starts = sorted(range(1, len(text) - 1), key=lambda i: abs(i - middle))
+    return [text[i:i + 2] for i in starts
+            if text[i:i + 2].isprintable() and "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip() == text[i:i + 2]
+            and text.index(text[i:i + 2]) == i]
+
+
+def test_a_stop_string_ends_the_answer_before_it(chat_engine) -> None:  # type: ignore[no-untyped-def]
+    text = engine_text(chat_engine, [{"role": "user", "content": "hello"}], 24)
+    stops = stops_in(text)
+    assert stops, f"no two characters of {text!r} make a stop string"
+    stop = stops[0]
+    done = run_cli("chat", "hello", "--target", chat_engine.address, "--max-new-tokens", "24", f"--stop={stop}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == text[:text.index(stop)] + "\n"
+    assert f"(the answer stopped at --stop {stop!r})" in done.stderr
+    assert "--max-new-tokens" not in done.stderr
+    # Several: the earliest match in the text ends the answer, whichever was listed first.
+    later = next((s for s in stops if text.index(s) >= text.index(stop) + len(stop)), None)
+    assert later is not None, f"no stop string after {stop!r} in {text!r}"
+    done = run_cli("chat", "hello", "--target", chat_engine.address, "--max-new-tokens", "24",
+                   "--stop", later, f"--stop={stop}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == text[:text.index(stop)] + "\n"
+    assert f"(the answer stopped at --stop {stop!r})" in done.stderr
+
+
+def test_a_stop_string_that_never_appears_changes_nothing(chat_engine) -> None:  # type: ignore[no-untyped-def]
+    hello = [{"role": "user", "content": "hello"}]
+    text = engine_text(chat_engine, hello, 12)
+    assert "Paris" not in text
+    done = run_cli("chat", "hello", "--target", chat_engine.address, "--max-new-tokens", "12", "--stop", "Paris")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == text + "\n"
+    assert "--stop" not in done.stderr and "(the answer stopped at --max-new-tokens 12)" in done.stderr
+
+
+_REPR = r"'(?:[^'\\]|\\.)*'" + "|" + r'"(?:[^"\\]|\\.)*"'  # a str's repr, in either quotes
+_VALUE = r"-?\d+\.\d{4}"
+_LOGPROB_LINE = re.compile(rf"\s*({_REPR})\s+({_VALUE})((?:  (?:{_REPR}) {_VALUE})*)")
+_ALTERNATIVE = re.compile(rf"  ({_REPR}) ({_VALUE})")
+
+
+def parse_logprob_line(line: str) -> tuple[str, str, list[tuple[str, str]]] | None:
+    """A line of `--logprobs`: the token's text, its log-probability, then the alternatives' (the
+    values as printed, 4 decimals); None for any other line."""
+    match = _LOGPROB_LINE.fullmatch(line)
+    if match is None:
+        return None
+    top = [(ast.literal_eval(text), value) for text, value in _ALTERNATIVE.findall(match[3])]
+    return ast.literal_eval(match[1]), match[2], top
+
+
+def test_logprobs_print_each_answer_tokens_logprob_and_alternatives_to_stderr(chat_engine) -> None:  # type: ignore[no-untyped-def]
+    hello = [{"role": "user", "content": "hello"}]
+    done = run_cli("chat", "hello", "--target", chat_engine.address, "--max-new-tokens", "24", "--logprobs", "2")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == engine_text(chat_engine, hello, 24) + "\n"  # as without --logprobs
+    text, responses = answer_of(chat_engine, hello, 24, top_logprobs=2)
+    assert done.stdout == text + "\n"
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("{")]  # not log events
+    parsed = [parse_logprob_line(line) for line in lines]
+    others = [line for line, p in zip(lines, parsed, strict=True) if p is None]
+    assert others == ["(the answer stopped at --max-new-tokens 24)"]
+    printed = [p for p in parsed if p is not None]
+    assert len(printed) == responses[-1].usage.completion_tokens == 24
+    assert all(len(top) == 2 for _, _, top in printed)
+    expected = [(lp.text, f"{lp.logprob:.4f}", [(t.text, f"{t.logprob:.4f}") for t in lp.top])
+                for r in responses for lp in r.logprobs]
+    assert printed == expected
+
+
+def test_a_bad_logprobs_count_is_refused_by_the_engine(chat_engine) -> None:  # type: ignore[no-untyped-def]
+    done = run_cli("chat", "hello", "--target", chat_engine.address, "--max-new-tokens", "4", "--logprobs", "21")
+    assert done.returncode == 1
+    assert "error: INVALID_ARGUMENT INVALID_FIELD: top_logprobs must be 0..20, got 21" in done.stderr
+    assert done.stdout == ""
+
+
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 10}},
+                 "required": ["answer"], "additionalProperties": False}
+
+
+def test_a_json_schema_makes_the_answer_json_that_validates(chat_engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    schema_file = tmp_path / "answer.json"
+    schema_file.write_text(json.dumps(ANSWER_SCHEMA))
+    done = run_cli("chat", "hello", "--target", chat_engine.address, "--max-new-tokens", "80",
+                   "--json-schema", str(schema_file))
+    assert done.returncode == 0, done.stderr
+    # The answer ended because the value was complete, not cut at max_new_tokens.
+    assert "--max-new-tokens" not in done.stderr
+    text, responses = answer_of(chat_engine, [{"role": "user", "content": "hello"}], 80,
+                                response_format=pb.ResponseFormat(json_schema=schema_file.read_text()))
+    assert responses[-1].finish_reason == pb.FINISH_REASON_STOP and responses[-1].usage.completion_tokens < 80
+    assert done.stdout == text + "\n"
+    jsonschema.validate(json.loads(done.stdout), ANSWER_SCHEMA)
+
+
+@pytest.mark.parametrize("content", [None, "{not json"], ids=["missing", "not-json"])
+def test_a_json_schema_file_that_is_not_json_is_a_usage_error(tmp_path: Path, content: str | None) -> None:
+    schema_file = tmp_path / "schema.json"
+    if content is not None:
+        schema_file.write_text(content)
+    # No engine there: contacting it would be UNAVAILABLE, exit 1.
+    done = run_cli("chat", QUESTION, "--target", "127.0.0.1:1", "--timeout", "5", "--json-schema", str(schema_file))
+    assert done.returncode == 2
+    assert f"error: --json-schema {str(schema_file)!r} is not a readable JSON file" in done.stderr
+    assert "UNAVAILABLE" not in done.stderr and done.stdout == ""
+
+
+def test_a_schema_the_compiler_refuses_is_the_engines_invalid_field(chat_engine, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    schema_file = tmp_path / "nope.json"
+    schema_file.write_text('{"type": "nope"}')
+    done = run_cli("chat", "hello", "--target", chat_engine.address, "--max-new-tokens", "8",
+                   "--json-schema", str(schema_file))
+    assert done.returncode == 1
+    got = expect_error(decode, chat_engine.stub(), max_new_tokens=8, chat=chat_prompt([{"role": "user", "content": "hello"}]),
+                       response_format=pb.ResponseFormat(json_schema=schema_file.read_text()))
+    assert got["info"].reason == "INVALID_FIELD"
+    assert [v.field for v in got["bad_request"].field_violations] == ["response_format.json_schema"]
+    assert f"error: INVALID_ARGUMENT INVALID_FIELD: {got['message']}" in done.stderr
+    assert done.stdout == ""
 
 
 def test_a_model_without_a_chat_template_is_refused_with_the_servers_reason_and_message(engine) -> None:  # type: ignore[no-untyped-def]
