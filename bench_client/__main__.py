@@ -16,7 +16,7 @@ import asyncio
 import json
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -137,6 +137,21 @@ def run_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _unsigned(bits: int) -> Callable[[str], int]:
+    """An argparse type for a DecodeRequest field of `bits` unsigned bits: a value the field cannot
+    hold (negative, too big) is a usage error, where protobuf would raise; the engine judges the rest."""
+    top = 2**bits - 1
+
+    def parse(text: str) -> int:
+        value = int(text)  # ValueError: argparse's "invalid uintN value"
+        if not 0 <= value <= top:
+            raise argparse.ArgumentTypeError(f"must be 0..{top}, got {value}")
+        return value
+
+    parse.__name__ = f"uint{bits}"
+    return parse
+
+
 def _chat_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("question", help="the user message")
     parser.add_argument("--target", default=None,
@@ -144,15 +159,15 @@ def _chat_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None,
                         help=f"the managed engine's --model (default: {DEFAULT_MODEL}); not with --target")
     parser.add_argument("--system", default="", help="a system message before the question")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="at most this many answer tokens")
+    parser.add_argument("--max-new-tokens", type=_unsigned(32), default=256, help="at most this many answer tokens")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    parser.add_argument("--seed", type=int, default=0, help="the sampling seed when temperature > 0")
+    parser.add_argument("--seed", type=_unsigned(64), default=0, help="the sampling seed when temperature > 0")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds the answer may take")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="end the answer before this text (repeat for several; at most 8)")
     parser.add_argument("--json-schema", type=Path, default=None, metavar="FILE",
                         help="answer with JSON that validates against the JSON Schema in FILE")
-    parser.add_argument("--logprobs", type=int, default=0, metavar="N",
+    parser.add_argument("--logprobs", type=_unsigned(32), default=0, metavar="N",
                         help="print each answer token's log-probability and its N most likely alternatives "
                              "to stderr (1..20)")
     return parser

@@ -29,10 +29,16 @@ def chat_engine(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-un
         yield proc
 
 
+def answer_of(proc: EngineProcess, messages: list[dict[str, str]], max_new_tokens: int,
+              **fields: object) -> tuple[str, list[pb.DecodeResponse]]:
+    """A direct Decode call's text and responses (greedy), with the extra DecodeRequest fields."""
+    responses = decode(proc.stub(), chat=chat_prompt(messages), max_new_tokens=max_new_tokens, **fields)
+    return "".join(r.text for r in responses), responses
+
+
 def engine_text(proc: EngineProcess, messages: list[dict[str, str]], max_new_tokens: int) -> str:
     """The answer's text as the engine streams it to a direct Decode call (greedy)."""
-    responses = decode(proc.stub(), chat=chat_prompt(messages), max_new_tokens=max_new_tokens)
-    return "".join(r.text for r in responses)
+    return answer_of(proc, messages, max_new_tokens)[0]
 
 
 def test_the_answer_is_streamed_to_stdout_as_the_engine_sends_it(chat_engine) -> None:  # type: ignore[no-untyped-def]
@@ -57,21 +63,15 @@ def test_a_cut_answer_says_so_on_stderr(chat_engine) -> None:  # type: ignore[no
     assert "(the answer stopped at --max-new-tokens 3)" in done.stderr
 
 
-def answer_of(proc: EngineProcess, messages: list[dict[str, str]], max_new_tokens: int,
-              **fields: object) -> tuple[str, list[pb.DecodeResponse]]:
-    """A direct Decode call's text and responses (greedy), with the extra DecodeRequest fields."""
-    responses = decode(proc.stub(), chat=chat_prompt(messages), max_new_tokens=max_new_tokens, **fields)
-    return "".join(r.text for r in responses), responses
-
-
 def stops_in(text: str) -> list[str]:
     """Two characters of `text` each (not at its start, not U+FFFD, not blank at either end) where
     they first occur, nearest its middle first: the text before one is what a --stop of it keeps."""
+    def usable(stop: str, at: int) -> bool:
+        return stop.isprintable() and "\ufffd" not in stop and stop.strip() == stop and text.index(stop) == at
+
     middle = len(text) // 2
     starts = sorted(range(1, len(text) - 1), key=lambda i: abs(i - middle))
-    return [text[i:i + 2] for i in starts
-            if text[i:i + 2].isprintable() and "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip() == text[i:i + 2]
-            and text.index(text[i:i + 2]) == i]
+    return [text[i:i + 2] for i in starts if usable(text[i:i + 2], i)]
 
 
 def test_a_stop_string_ends_the_answer_before_it(chat_engine) -> None:  # type: ignore[no-untyped-def]
@@ -88,7 +88,7 @@ def test_a_stop_string_ends_the_answer_before_it(chat_engine) -> None:  # type: 
     later = next((s for s in stops if text.index(s) >= text.index(stop) + len(stop)), None)
     assert later is not None, f"no stop string after {stop!r} in {text!r}"
     done = run_cli("chat", "hello", "--target", chat_engine.address, "--max-new-tokens", "24",
-                   "--stop", later, f"--stop={stop}")
+                   f"--stop={later}", f"--stop={stop}")
     assert done.returncode == 0, done.stderr
     assert done.stdout == text[:text.index(stop)] + "\n"
     assert f"(the answer stopped at --stop {stop!r})" in done.stderr
@@ -189,6 +189,15 @@ def test_a_schema_the_compiler_refuses_is_the_engines_invalid_field(chat_engine,
     assert [v.field for v in got["bad_request"].field_violations] == ["response_format.json_schema"]
     assert f"error: INVALID_ARGUMENT INVALID_FIELD: {got['message']}" in done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize("flag", ["--logprobs", "--max-new-tokens"])
+def test_a_negative_count_is_a_usage_error(flag: str) -> None:
+    # Not a value a DecodeRequest's uint32 can hold; no engine there (contacting it: UNAVAILABLE, exit 1).
+    done = run_cli("chat", QUESTION, "--target", "127.0.0.1:1", "--timeout", "5", f"{flag}=-1")
+    assert done.returncode == 2
+    assert f"argument {flag}: must be 0..4294967295, got -1" in done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
 
 
 def test_a_model_without_a_chat_template_is_refused_with_the_servers_reason_and_message(engine) -> None:  # type: ignore[no-untyped-def]
