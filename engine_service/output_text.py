@@ -43,7 +43,7 @@ class OutputText:
             self._held = ""
             return held[:at]
         keep = _partial_tail(held, self._stop)
-        self._held = held[len(held) - keep:] if keep else ""
+        self._held = held[len(held) - keep:]
         return held[:len(held) - keep]
 
     def flush(self) -> str:
