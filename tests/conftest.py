@@ -13,6 +13,16 @@ def engine():
         yield proc
 
 
+@pytest.fixture(scope="session")
+def smollm2_float32():
+    """SmolLM2 in float32 without int4 copies, shared by the generation-control modules: the same
+    greedy tokens whether a prompt came from the prefix cache or not and whatever else is batched
+    (bfloat16 rounds differently in each case). max_batch 8, context 512."""
+    with EngineProcess("--model", "smollm2", "--dtype", "float32", "--quantize", "none", "--max-batch", "8",
+                       "--max-context", "512") as proc:
+        yield proc
+
+
 @pytest.fixture
 def start_engine():
     """Start engines with given flags; all are killed at the end of the test."""

@@ -20,12 +20,9 @@ STORY = "Once upon a time, in a small village by the sea, there lived an old fis
 
 
 @pytest.fixture(scope="module")
-def smollm2():  # type: ignore[no-untyped-def]
-    # float32 without int4 copies: the same greedy tokens whether a prompt came from the prefix
-    # cache or not, and whatever else is batched (bfloat16 rounds differently in each case)
-    with EngineProcess("--model", "smollm2", "--dtype", "float32", "--quantize", "none", "--max-batch", "4",
-                       "--max-context", "512") as proc:
-        yield proc
+def smollm2(smollm2_float32):  # type: ignore[no-untyped-def]
+    """The session's SmolLM2 engine in float32 (conftest.py): exact greedy tokens however batched."""
+    return smollm2_float32
 
 
 def decode(proc: EngineProcess, **fields) -> list[pb.DecodeResponse]:  # type: ignore[no-untyped-def]

@@ -24,12 +24,9 @@ FREE_PROMPT = "Once upon a time, in a small village by the sea,"
 
 
 @pytest.fixture(scope="module")
-def smollm2():  # type: ignore[no-untyped-def]
-    # float32 without int4 copies: the free requests' greedy tokens do not depend on what else is
-    # batched (bfloat16's rounding does), so that "unchanged beside constrained rows" is exact
-    with EngineProcess("--model", "smollm2", "--dtype", "float32", "--quantize", "none", "--max-batch", "8",
-                       "--max-context", "512") as proc:
-        yield proc
+def smollm2(smollm2_float32):  # type: ignore[no-untyped-def]
+    """The session's SmolLM2 engine in float32 (conftest.py): exact greedy tokens however batched."""
+    return smollm2_float32
 
 
 def ask(proc: EngineProcess, fmt: pb.ResponseFormat | None, what: str, seed: int | None) -> list[pb.DecodeResponse]:
