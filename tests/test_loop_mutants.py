@@ -9,6 +9,7 @@ import os
 import queue
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,16 +18,20 @@ import torch
 from engine_service import loop as loop_module
 from engine_service.config import BLOCK_TOKENS
 from engine_service.faults import FaultInjector, FaultPlan
+from engine_service.logprobs import TokenLogprobs, token_logprobs
 from engine_service.loop import FATAL_EXIT_CODE, DecodeLoop, Emission, set_threads
 from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.presets import PRESETS
 from engine_service.model_runner import StepLogits
+from engine_service.output_text import OutputText
 from engine_service.prefill_budget import PrefillBudget
 from engine_service.prefix_cache import PrefixCache, PrefixCacheStats
 from engine_service.requests import Request, SamplingParams
 from engine_service.sampler import new_generator
 from engine_service.scheduler import Prefill, Scheduler
 from engine_service.sequence import FinishReason, Sequence
+from engine_service.speculative import SpeculativeConfig
+from engine_service.speculator import Speculator
 from shared.errors import DeadlineExceeded, SequenceError
 
 WAIT = 5.0  # seconds a test waits for a thread before it fails (passing runs take milliseconds)
@@ -431,3 +436,301 @@ def test_an_idle_step_publishes_the_prefix_caches_stats_as_they_are() -> None:
     prefix.offer(tuple(range(16)), runner.cache, 0, 16)  # warmed by someone else since the loop published
     h.step()  # nothing to run
     assert h.sched.load.prefix_cache == PrefixCacheStats(16, 64, 0, 0)
+
+
+# -- what an emission carries: text, log-probabilities, penalties, constraints (found by `make mutate`) --
+
+VOCAB = 16
+EOS = 15
+STOP_TOKEN = 14
+
+
+def noise(seq: Sequence, position: int) -> torch.Tensor:
+    """(VOCAB,) values in [0, 1), a pure function of the request and the position: no two rows
+    alike, so a log-probability read from the wrong row shows."""
+    generator = torch.Generator().manual_seed(sum(map(ord, seq.request_id)) * 1000 + position)
+    return torch.rand(VOCAB, generator=generator)
+
+
+class TableRunner:
+    """Logits from `table(seq, position)`: the row that predicts the token at `position` of the
+    sequence's text (prompt and output, from 0), wherever the step needs it, as the real runner
+    lays them out (model_runner.py): a decoding row's (and with drafts, one more per draft token),
+    then each completing prefill's; and for a request with echo_prompt_logprobs, each chunk's rows
+    (StepLogits.prompt), row j predicting position chunk.start + j + 1."""
+
+    def __init__(self, table: Any, cache: Any = None) -> None:
+        self.device = torch.device("cpu")
+        self.cache = cache if cache is not None else self
+        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=VOCAB))  # what Penalties is sized by
+        self.table = table
+        self.chunks: list[tuple[str, PromptChunk]] = []
+        self.drafts: list[list[list[int]] | None] = []
+
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        del src, dst, length
+
+    def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
+        del a, b, length_a, length_b
+
+    def forward(self, decoding: list[Sequence], prefills: list[Prefill],
+                drafts: list[list[int]] | None = None) -> StepLogits:
+        self.drafts.append(drafts)
+        sampled = [self.table(seq, seq.total_len + j) for i, seq in enumerate(decoding)
+                   for j in range(1 + (len(drafts[i]) if drafts is not None else 0))]
+        prompt = {}
+        for i, p in enumerate(prefills):
+            self.chunks.append((p.seq.request_id, p.chunk))
+            if p.seq.request.echo_prompt_logprobs:
+                prompt[i] = torch.stack([self.table(p.seq, p.chunk.start + j + 1) for j in range(p.chunk.length)])
+            if p.completes:
+                sampled.append(self.table(p.seq, len(p.seq.request.prompt_ids)))
+        return StepLogits(torch.stack(sampled) if sampled else torch.zeros(0, VOCAB), prompt)
+
+
+def table_harness(table: Any, end: frozenset[int] = frozenset(), prefill_budget: int = 64,
+                  speculator: Speculator | None = None, cache: Any = None,
+                  prefix_cache: PrefixCache | None = None) -> tuple[Harness, TableRunner]:
+    runner = TableRunner(table, cache)
+    h = Harness()
+    h.sched = Scheduler(max_batch=4, max_context=MAX_CONTEXT, queue_capacity=8, queue_retry_seconds=0.5,
+                        prefill_token_budget=prefill_budget)
+    h.loop = DecodeLoop(runner, h.sched, FaultInjector(FaultPlan()), end, h.delivered.append,  # type: ignore[arg-type]
+                        on_fatal=lambda exc: pytest.fail(f"on_fatal: {exc!r}"), prefix_cache=prefix_cache,
+                        speculator=speculator)
+    return h, runner
+
+
+def req(request_id: str, prompt: tuple[int, ...] = (2, 3), max_new: int = 3, sampling: SamplingParams | None = None,
+        stop_tokens: frozenset[int] = frozenset(), ignore_eos: bool = True, top_logprobs: int = 0,
+        echo: bool = False) -> Request:
+    return Request(request_id=request_id, prompt_ids=prompt, max_new_tokens=max_new,
+                   sampling=sampling or SamplingParams(), stop_token_ids=stop_tokens, ignore_eos=ignore_eos,
+                   deadline=None, top_logprobs=top_logprobs, echo_prompt_logprobs=echo)
+
+
+def busy(h: Harness) -> bool:
+    return bool(h.sched.running or h.sched.waiting_count())
+
+
+def expected_logprobs(table: Any, seq: Sequence, positions: range | list[int], top: int) -> list[TokenLogprobs]:
+    """What the token at each of `positions` of `seq`'s text scores under the raw logits that predicted it."""
+    text = seq.request.prompt_ids + tuple(seq.generated)
+    return [token_logprobs(table(seq, p)[None], [text[p]], top)[0] for p in positions]
+
+
+def assert_logprobs(actual: tuple[TokenLogprobs, ...] | list[TokenLogprobs], expected: list[TokenLogprobs]) -> None:
+    assert len(actual) == len(expected) and expected
+    for got, want in zip(actual, expected, strict=True):
+        assert got.token_id == want.token_id and got.logprob == pytest.approx(want.logprob, rel=1e-5, abs=1e-6)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+        assert [v for _, v in got.top] == pytest.approx([v for _, v in want.top], rel=1e-5, abs=1e-6)
+
+
+def ranked(*order: int) -> Any:
+    """A table whose logits rank `order` first (3.0, 2.0, 1.0, ...), the rest near 0."""
+    def table(seq: Sequence, position: int) -> torch.Tensor:
+        logits = noise(seq, position) * 0.01
+        for rank, token in enumerate(order):
+            logits[token] = 3.0 - rank
+        return logits
+    return table
+
+
+def test_a_plain_emission_carries_no_text_and_no_logprobs() -> None:
+    h, _ = table_harness(ranked(5))
+    h.submit(req("a", max_new=2))
+    _, out, _ = h.step()
+    assert out["a"].tokens == (5,)
+    assert (out["a"].text, out["a"].logprobs, out["a"].prompt_logprobs) == ("", (), ())
+
+
+def test_min_new_tokens_holds_back_eos_and_stop_tokens_until_reached() -> None:
+    h, _ = table_harness(ranked(EOS, STOP_TOKEN, 5), end=frozenset({EOS}))
+    seq, = h.submit(req("a", max_new=6, sampling=SamplingParams(min_new_tokens=2),
+                        stop_tokens=frozenset({STOP_TOKEN}), ignore_eos=False))
+    while busy(h):
+        _, out, _ = h.step()
+    assert seq.generated == [5, 5, EOS] and out["a"].finish is FinishReason.EOS
+
+
+class FakeConstraint:
+    """Stands in for constraint.Constraint: the tokens its grammar allows at each step (read by
+    `masks` below, in place of apply_masks), the tokens consumed, and done once it consumed `final`."""
+
+    def __init__(self, allowed: list[set[int]], final: int) -> None:
+        self.allowed = allowed
+        self.final = final
+        self.consumed: list[tuple[int, ...]] = []
+
+    def consume(self, tokens: tuple[int, ...]) -> None:
+        self.consumed.append(tokens)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.consumed) and self.final in self.consumed[-1]
+
+
+def masks(logits: torch.Tensor, rows: list[int], constraints: list[FakeConstraint]) -> torch.Tensor:
+    for row, constraint in zip(rows, constraints, strict=True):
+        forbidden = torch.ones(logits.shape[1], dtype=torch.bool)
+        forbidden[sorted(constraint.allowed[len(constraint.consumed)])] = False
+        logits[row].masked_fill_(forbidden, float("-inf"))
+    return logits
+
+
+def test_a_constrained_rows_eos_is_its_grammars_under_min_new_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loop_module, "apply_masks", masks)
+    h, _ = table_harness(ranked(EOS, STOP_TOKEN, 5), end=frozenset({EOS}))
+    seq, = h.submit(req("a", max_new=6, sampling=SamplingParams(min_new_tokens=4),
+                        stop_tokens=frozenset({STOP_TOKEN}), ignore_eos=False))
+    # the grammar first allows 5 or the stop token (min_new_tokens masks the stop token), then EOS too:
+    # its EOS is not masked (the grammar decides where the output may end), the stop token still is
+    seq.constraint = FakeConstraint([{5, STOP_TOKEN}, {5, STOP_TOKEN, EOS}], final=EOS)  # type: ignore[assignment]
+    _, first, _ = h.step()
+    _, second, _ = h.step()
+    assert (first["a"].tokens, first["a"].finish) == ((5,), None)
+    assert (second["a"].tokens, second["a"].finish) == ((EOS,), FinishReason.STOP)  # the grammar is done
+    assert seq.constraint.consumed == [(5,), (EOS,)]  # type: ignore[union-attr]
+    assert h.sched.running == []
+
+
+class FakeDecoder:
+    """A stream decoder over a fixed table of token texts."""
+
+    TEXTS = {1: "ab", 2: "c", 3: "de", 4: "f"}
+
+    def step(self, ids: tuple[int, ...]) -> str:
+        return "".join(self.TEXTS[i] for i in ids)
+
+
+def script(*tokens: int) -> Any:
+    """A table whose argmax at output position k is tokens[k]."""
+    def table(seq: Sequence, position: int) -> torch.Tensor:
+        logits = noise(seq, position) * 0.01
+        logits[tokens[position - len(seq.request.prompt_ids)]] = 3.0
+        return logits
+    return table
+
+
+def test_a_stop_string_across_tokens_holds_back_its_start_and_ends_the_sequence() -> None:
+    h, _ = table_harness(script(1, 2, 3, 4))
+    seq, = h.submit(req("a", max_new=4))
+    seq.text = OutputText(FakeDecoder(), stop=["cd"])
+    texts = []
+    while busy(h):
+        _, out, _ = h.step()
+        texts.append(out["a"].text)
+    assert texts == ["ab", "", ""]  # "c" held back (it may start "cd"), then "cd" matched in "cde"
+    assert seq.generated == [1, 2, 3] and out["a"].finish is FinishReason.STOP
+    assert seq.text.stop_string == "cd"
+
+
+def test_a_held_back_tail_is_released_with_the_last_token_when_the_sequence_ends() -> None:
+    h, _ = table_harness(script(1, 2))
+    seq, = h.submit(req("a", max_new=2))
+    seq.text = OutputText(FakeDecoder(), stop=["cd"])
+    _, first, _ = h.step()
+    _, last, _ = h.step()
+    assert (first["a"].text, last["a"].text) == ("ab", "c")  # "c" was held back, then flushed at the length limit
+    assert last["a"].finish is FinishReason.LENGTH
+
+
+def test_penalties_start_from_the_prompt_and_count_each_steps_tokens() -> None:
+    table = ranked(1, 2)
+    h, runner = table_harness(table)
+    presence, repetition = h.submit(req("presence", prompt=(7, 8), sampling=SamplingParams(presence_penalty=1.5)),
+                                    req("repetition", prompt=(1, 8), sampling=SamplingParams(repetition_penalty=4.0)))
+    while busy(h):
+        h.step()
+    assert presence.generated == [1, 2, 1]  # 1 penalized once seen (3 - 1.5 < 2), then both (1.5 > 0.5)
+    assert repetition.generated == [2, 1, 1]  # 1 is in the prompt: 3 / 4 < 2; then 2 / 4 < 3 / 4
+    for seq in (presence, repetition):
+        penalties = seq.penalties
+        assert penalties is not None and penalties.device == runner.device and penalties.vocab_size == VOCAB
+        assert penalties.counts.tolist() == [float(seq.generated.count(t)) for t in range(VOCAB)]
+        assert penalties.seen.nonzero().flatten().tolist() == sorted({*seq.request.prompt_ids, *seq.generated})
+
+
+def test_logprobs_are_the_raw_logits_even_when_penalties_change_them() -> None:
+    table = ranked(1, 2)
+    h, _ = table_harness(table)
+    seq, plain = h.submit(req("a", sampling=SamplingParams(presence_penalty=1.5, logit_bias=((3, 0.5),)),
+                              top_logprobs=2), req("plain", max_new=1))
+    emissions = []
+    while busy(h):
+        _, out, _ = h.step()
+        emissions.append(out["a"])
+    assert seq.generated == [1, 2, 1]
+    prompt = len(seq.request.prompt_ids)
+    for k, e in enumerate(emissions):
+        assert_logprobs(e.logprobs, expected_logprobs(table, seq, [prompt + k], 2))
+    assert plain.generated == [1]
+
+
+def test_echoed_prompt_logprobs_come_chunk_by_chunk_on_the_first_emission() -> None:
+    table = ranked(5)
+    h, runner = table_harness(table, prefill_budget=4)  # while a row decodes, prompts go in chunks of 4
+    h.submit(req("busy", max_new=10))
+    h.step()
+    seq, = h.submit(req("echo", prompt=tuple(range(1, 11)), max_new=2, top_logprobs=2, echo=True))
+    emissions = []
+    while len(emissions) < 2:
+        _, out, _ = h.step()
+        if "echo" in out:
+            emissions.append(out["echo"])
+    assert [c for r, c in runner.chunks if r == "echo"] == [PromptChunk(1, 0, 4), PromptChunk(1, 4, 4),
+                                                            PromptChunk(1, 8, 2)]
+    # each prompt token after the first, scored by the row before it; the last row predicts no prompt token
+    assert_logprobs(emissions[0].prompt_logprobs, expected_logprobs(table, seq, range(1, 10), 2))
+    assert_logprobs(seq.prompt_logprobs, expected_logprobs(table, seq, range(1, 10), 2))
+    assert emissions[1].prompt_logprobs == ()  # the first emission only
+    assert_logprobs(emissions[0].logprobs, expected_logprobs(table, seq, [10], 2))
+    assert_logprobs(emissions[1].logprobs, expected_logprobs(table, seq, [11], 2))
+
+
+def test_an_echoed_prompt_is_computed_whole_past_the_prefix_cache() -> None:
+    table = ranked(5)
+    prefix = PrefixCache(4 * BLOCK_TOKENS)
+    h, runner = table_harness(table, cache=KVCache(PRESETS["tiny"], 4, MAX_CONTEXT, torch.float32, torch.device("cpu")),
+                              prefix_cache=prefix)
+    prompt = tuple(i * 7 % 13 for i in range(20))
+    h.submit(req("warm", prompt=prompt, max_new=1))
+    h.step()  # its first block is stored
+    cached, echo = h.submit(req("cached", prompt=prompt, max_new=1),
+                            req("echo", prompt=prompt, max_new=1, top_logprobs=1, echo=True))
+    _, out, _ = h.step()
+    assert cached.cached_tokens == 16  # the block was there to reuse
+    assert (echo.cached_tokens, echo.cache_len) == (0, 20)
+    assert [c.start for r, c in runner.chunks if r == "echo"] == [0]
+    assert_logprobs(out["echo"].prompt_logprobs, expected_logprobs(table, echo, range(1, 20), 1))
+
+
+def periodic(seq: Sequence, position: int) -> torch.Tensor:
+    """Argmax: the prompt's period-3 pattern continued, so that prompt lookup drafts it and
+    verification accepts it."""
+    logits = noise(seq, position)
+    logits[seq.request.prompt_ids[position % 3]] = 5.0
+    return logits
+
+
+def test_each_speculated_and_sampled_token_is_scored_by_its_own_row() -> None:
+    h, runner = table_harness(periodic, speculator=Speculator(SpeculativeConfig(num_tokens=2)))
+    pattern = (1, 2, 3) * 3
+    a, b = h.submit(req("a", prompt=pattern, max_new=6, top_logprobs=2),
+                    req("b", prompt=pattern[1:] + pattern[:1], max_new=6, top_logprobs=2))
+    emitted = {"a": 0, "b": 0, "c": 0}
+    logprobs: dict[str, list[TokenLogprobs]] = {"a": [], "b": [], "c": []}
+    while busy(h):
+        _, out, _ = h.step()
+        if len(runner.drafts) == 1:  # a and b prefilled together (a plain step): c prefills beside their decoding
+            c, = h.submit(req("c", prompt=(4, 5, 6), max_new=3, top_logprobs=2))
+        for r, e in out.items():
+            emitted[r] += len(e.tokens)
+            logprobs[r] += e.logprobs
+    assert runner.drafts[1] is not None and all(runner.drafts[1])  # step 2 verified a's and b's drafts beside c's prefill
+    assert [c.start for r, c in runner.chunks if r == "c"] == [0] and len(runner.chunks) == 3
+    for r, seq in {"a": a, "b": b, "c": c}.items():
+        prompt = len(seq.request.prompt_ids)
+        assert emitted[r] == len(seq.generated) == seq.request.max_new_tokens
+        assert_logprobs(logprobs[r], expected_logprobs(periodic, seq, range(prompt, prompt + len(seq.generated)), 2))
