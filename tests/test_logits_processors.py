@@ -4,18 +4,25 @@ MinNewTokensLengthLogitsProcessor, and TemperatureLogitsWarper, TopKLogitsWarper
 TopPLogitsWarper, MinPLogitsWarper in generate's order) on the same random logits, and OpenAI's
 published presence/frequency formula written out below. Then the batch: unprocessed rows
 bit-identical, the caller's tensor never written, the same object back when no row is processed;
-the order of the four steps; the min_new_tokens boundary; logit_bias at -100 and 100; and
-Penalties.add kept incrementally equal to a recount. In-process, milliseconds each."""
+the order of the four steps; the min_new_tokens boundary; logit_bias at -100 and 100;
+Penalties.add kept incrementally equal to a recount; in_place; bfloat16 rows; ids of any integer
+type; float32 state whatever torch's default dtype; and every tensor on the sequence's device (on
+a stand-in accelerator, `Accelerator`, since these machines may have none). In-process,
+milliseconds each."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers.generation.logits_process import (
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -30,6 +37,7 @@ from engine_service.requests import SamplingParams
 from engine_service.sampler import new_generator, sample, warped_probs
 
 CPU = torch.device("cpu")
+META = torch.device("meta")
 VOCAB = 97
 INF = float("inf")
 PLAIN = SamplingParams()
@@ -56,6 +64,22 @@ def penalties_for(prompt: list[int], output: list[int], vocab: int = VOCAB) -> P
     state = Penalties(prompt, vocab, CPU)
     state.add(output)
     return state
+
+
+class Accelerator(TorchDispatchMode):
+    """A stand-in accelerator for a machine without one: tensors on the meta device (shapes, no
+    data) where, as on CUDA, no op may take tensors of two devices (a 0-dim host scalar aside), so
+    a tensor made on the host by mistake fails the op that meets it; a read back to the host (the
+    `tolist` at the end of a step) gives zeros."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and args[0].device == META and kwargs.get("device") == CPU:
+            return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+        devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0}
+        if len(devices) > 1:
+            raise AssertionError(f"{func} takes tensors of {sorted(map(str, devices))}")
+        return func(*args, **kwargs)
 
 
 # --- repetition penalty -------------------------------------------------------------------------
@@ -126,6 +150,8 @@ def test_presence_and_frequency_exact_values() -> None:
     assert one_row(logits, both, state).tolist() == [0.25, -0.25, 1.0, 1.0]
     negative = SamplingParams(presence_penalty=-1.0, frequency_penalty=-0.5)
     assert one_row(logits, negative, state).tolist() == [2.5, 3.5, 1.0, 1.0]
+    assert one_row(logits, SamplingParams(frequency_penalty=1.0), state).tolist() == [0.0, -2.0, 1.0, 1.0]
+    assert one_row(logits, SamplingParams(presence_penalty=1.0), state).tolist() == [0.0, 0.0, 1.0, 1.0]
 
 
 # --- min_new_tokens -----------------------------------------------------------------------------
@@ -215,6 +241,24 @@ def test_a_mixed_batch_touches_only_the_processed_rows_and_never_the_input() -> 
         assert torch.equal(got[row], one_row(before[row], params[row], penalties[row], generated[row], banned[row]))
 
 
+def test_in_place_writes_the_processed_rows_of_the_callers_tensor() -> None:
+    logits = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    params = [SamplingParams(logit_bias=((1, 0.5),)), PLAIN, SamplingParams(min_new_tokens=1)]
+    got = process(logits, params, [None] * 3, [0, 0, 0], [frozenset({0})] * 3, in_place=True)
+    assert got is logits
+    assert logits.tolist() == [[1.0, 2.5], [3.0, 4.0], [-INF, 6.0]]
+    untouched = torch.tensor([[1.0, 2.0]])
+    assert process(untouched, [PLAIN], [None], [0], [frozenset()], in_place=True) is untouched
+
+
+def test_bfloat16_rows_are_processed_in_bfloat16() -> None:
+    logits = torch.tensor([1.0, -2.0, 4.0, 0.5], dtype=torch.bfloat16)
+    params = SamplingParams(logit_bias=((0, 0.5),), min_new_tokens=1, repetition_penalty=2.0, frequency_penalty=0.25)
+    got = one_row(logits, params, penalties_for([1], [2, 2], vocab=4), banned=frozenset({3}))
+    assert got.dtype == torch.bfloat16
+    assert got.tolist() == [1.5, -4.0, 4.0 / 2 - 2 * 0.25, -INF]
+
+
 def test_the_batch_arguments_must_match_the_rows() -> None:
     logits = torch.zeros(2, 4)
     with pytest.raises(ValueError, match=r"one entry per row of logits \(2\), got 2, 1, 2, 2"):
@@ -258,6 +302,49 @@ def test_penalties_start_from_the_prompt() -> None:
     logits = torch.tensor([1.0, -1.0, 2.0])
     params = SamplingParams(repetition_penalty=2.0, presence_penalty=1.0, frequency_penalty=1.0)
     assert torch.equal(one_row(logits, params, empty), logits)
+
+
+def test_penalties_take_ids_of_any_integer_type() -> None:
+    # numpy's small integers make int16 or uint8 tensors (uint8 would index as a mask): read as ids
+    state = Penalties(list(np.array([3, 1, 3], dtype=np.int16)), 6, CPU)
+    state.add(list(np.array([5, 1, 5], dtype=np.uint8)))
+    state.add(list(np.array([2], dtype=np.int16)))
+    assert state.seen.tolist() == [False, True, True, True, False, True]
+    assert state.counts.tolist() == [0.0, 1.0, 1.0, 0.0, 0.0, 2.0]
+    assert state.seen_ids.tolist() == [3, 1, 5, 2] and state.output_ids.tolist() == [5, 1, 2]
+    assert state.seen_ids.dtype == state.output_ids.dtype == torch.long
+
+
+def test_penalties_and_bias_are_float32_whatever_torchs_default_dtype() -> None:
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        state = Penalties([1], 4, CPU)
+        state.add([2, 2])
+        assert state.counts.dtype == torch.float32 and state.counts.tolist() == [0.0, 0.0, 2.0, 0.0]
+        logits = torch.ones(4, dtype=torch.float32)
+        got = one_row(logits, SamplingParams(frequency_penalty=0.5, logit_bias=((3, 0.1),)), state)
+    finally:
+        torch.set_default_dtype(default)
+    assert got.dtype == torch.float32
+    assert got.tolist() == [1.0, 1.0, 0.0, (torch.tensor(1.0) + torch.tensor(0.1)).item()]
+
+
+def test_penalties_and_process_keep_every_tensor_on_the_sequences_device() -> None:
+    with Accelerator():
+        fresh = Penalties([], 5, META)
+        assert [t.device for t in (fresh.counts, fresh.seen, fresh.seen_ids, fresh.output_ids)] == [META] * 4
+        state = Penalties([0, 1, 1], 5, META)
+        state.add([2, 2, 3])
+        state.add([3, 4])
+        tensors = (state.counts, state.seen, state.seen_ids, state.output_ids)
+        assert [t.device for t in tensors] == [META] * 4
+        assert [t.shape[0] for t in tensors] == [5, 5, 5, 3]
+        params = SamplingParams(logit_bias=((0, 1.0), (3, -1.0)), min_new_tokens=2, repetition_penalty=1.5,
+                                presence_penalty=0.5, frequency_penalty=0.25)
+        out = process(torch.zeros(2, 5, device=META), [params, PLAIN], [state, None], [0, 0],
+                      [frozenset({4}), frozenset()])
+        assert out.device == META and out.shape == (2, 5)
 
 
 def test_penalties_refuse_ids_outside_the_vocabulary() -> None:

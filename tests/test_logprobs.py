@@ -1,13 +1,16 @@
 """token_logprobs (logprobs.py) in-process: each chosen token's log_softmax value and the top
-alternatives, most likely first, against values worked out here."""
+alternatives, most likely first, against values worked out here; token ids of any integer type;
+and every op on the logits' device (tests/test_logits_processors.py's stand-in accelerator)."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from engine_service.logprobs import TokenLogprobs, token_logprobs
+from tests.test_logits_processors import META, Accelerator
 
 
 def log_softmax(row: list[float]) -> list[float]:
@@ -45,3 +48,19 @@ def test_bfloat16_logits_are_read_in_float32() -> None:
     want = log_softmax([float(x) for x in rows[0].float()])
     assert math.isclose(got[0].logprob, want[0], abs_tol=1e-6)
     assert [t for t, _ in got[0].top] == [2, 1, 0]
+
+
+def test_token_ids_of_any_integer_type_are_read_as_ids() -> None:
+    rows = [[1.0, 3.0, 2.0], [0.5, 0.0, -1.0]]
+    for tokens in (list(np.array([2, 0], dtype=np.int16)), list(np.array([2, 0], dtype=np.uint8))):
+        got = token_logprobs(torch.tensor(rows), tokens, 1)
+        assert [(g.token_id, g.top[0][0]) for g in got] == [(2, 1), (0, 0)]
+        for g, row, token in zip(got, rows, [2, 0], strict=True):
+            assert math.isclose(g.logprob, log_softmax(row)[token], abs_tol=1e-6)
+
+
+def test_every_op_runs_on_the_logits_device() -> None:
+    with Accelerator():  # reads back zeros: what is checked is that no op meets a host tensor
+        got = token_logprobs(torch.zeros(3, 5, device=META), [4, 1, 1], 2)
+        assert [(g.token_id, g.logprob, g.top) for g in got] == [(t, 0.0, ((0, 0.0), (0, 0.0))) for t in (4, 1, 1)]
+        assert [g.top for g in token_logprobs(torch.zeros(2, 5, device=META), [3, 0], 0)] == [(), ()]
