@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 OUT ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 Q ?= What is the capital of France?
 
-.PHONY: setup demo test serve chat lint proto drills mutate peers compare
+.PHONY: setup demo test serve chat lint proto drills mutate peers compare image compose-drill
 
 setup: $(VENV)/.installed
 
@@ -55,6 +55,16 @@ proto: setup
 
 drills: setup
 	$(BIN)/python -m drills
+
+# The image (llm-decode-engine:local) however this machine allows: python:3.11-slim and the indexes where
+# they can be reached; else a debootstrap'ed Debian base, a wheelhouse filled here with pip download (the
+# CPU torch wheel included) and Prometheus from Debian's package (deploy/image.sh; README: offline build).
+image:
+	deploy/image.sh
+
+# The compose stack for real: three replicas under a sweep, one drained, one killed (a Docker daemon needed).
+compose-drill: setup
+	$(BIN)/python -m drills compose
 
 # Mutation testing, not part of `make test`: mutmut ([tool.mutmut] in pyproject.toml) over the modules
 # where a defect costs users most, with the fast in-process tests; then the score per module and any

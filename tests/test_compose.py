@@ -281,7 +281,8 @@ def pip_installs(text: str) -> list[list[str]]:
 
 def test_the_dockerfile_installs_as_the_makefile_does_and_runs_as_non_root():
     dockerfile, makefile = DOCKERFILE.read_text(), (ROOT / "Makefile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim\b", dockerfile, re.MULTILINE)
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", dockerfile, re.MULTILINE), "the public default base"
+    assert re.findall(r"^FROM (\S+)", dockerfile, re.MULTILINE) == ["${BASE_IMAGE}", "${BASE_IMAGE}"]
     docker_steps, make_steps = pip_installs(dockerfile), pip_installs(makefile)
     assert len(docker_steps) == len(make_steps) == 3
     torch_pin = re.search(r'"torch==([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
@@ -318,3 +319,44 @@ def test_the_healthcheck_module_exits_0_only_when_serving(start_engine):
     assert proc.wait(30) == 0
     down = healthcheck(proc.address)
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+
+
+def dockerfile_stages() -> list[str]:
+    """The Dockerfile's stages, each from its FROM line."""
+    return re.split(r"^(?=FROM )", DOCKERFILE.read_text(), flags=re.MULTILINE)[1:]
+
+
+def test_the_build_inputs_stay_in_the_build_stage():
+    """The wheelhouse, the CA bundle and pip's configuration naming them are the build stage's alone:
+    the final stage copies the virtual environment from it and the source from the context, nothing
+    else (deploy/image.sh also checks the built image for the bundle's content)."""
+    build, final = dockerfile_stages()
+    assert build.startswith("FROM ${BASE_IMAGE} AS build")
+    for arg in ("WHEELHOUSE", "CA_BUNDLE"):
+        assert re.search(rf"^ARG {arg}=deploy/none$", build, re.MULTILINE) and arg not in final
+        assert re.search(rf"^COPY \${{{arg}}} /build/", build, re.MULTILINE)
+    assert (ROOT / "deploy" / "none").is_dir(), "the default build input, an empty directory"
+    assert "PIP_CONFIG_FILE=/build/pip.conf" in build and "/build" not in final and "PIP_CONFIG_FILE" not in final
+    copies = re.findall(r"^COPY (.+)$", final, re.MULTILINE)
+    assert copies[0] == "--from=build /opt/venv /opt/venv"
+    assert all(not c.startswith("--from") for c in copies[1:])
+    assert "PATH=/opt/venv/bin:$PATH" in final
+
+
+def test_the_offline_override_replaces_images_only():
+    """deploy/compose.offline.yml swaps Jaeger's and Prometheus's images (and the sink's command) and
+    keeps the rest of their services as docker-compose.yml has them."""
+    offline = yaml.safe_load((ROOT / "deploy" / "compose.offline.yml").read_text())["services"]
+    stack = yaml.safe_load(COMPOSE.read_text())["services"]
+    assert set(offline) == {"jaeger", "prometheus"}
+    assert offline["prometheus"] == {"image": "llm-decode-prometheus:local"}
+    entrypoint = re.search(r'^ENTRYPOINT \["(\S+)"\]', (ROOT / "deploy" / "prometheus.Dockerfile").read_text(),
+                           re.MULTILINE)
+    assert entrypoint and entrypoint.group(1).endswith("/prometheus"), "prom/prometheus's flags as the command"
+    jaeger = offline["jaeger"]
+    assert jaeger["image"] == stack["engine"]["image"]
+    [mount] = jaeger["volumes"]
+    source, target = mount.split(":")[:2]
+    assert (ROOT / source).is_file() and jaeger["command"][:2] == ["python", target]
+    port = stack["engine"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"].rsplit(":", 1)[1]
+    assert jaeger["command"][2:] == ["--port", port]
