@@ -112,8 +112,8 @@ def _compile_worker() -> _CompileThread:
 
 
 class _ByteVocabulary:
-    """ByteTokenizer as llguidance.TokenizerWrapper reads a tokenizer: each id's bytes, the
-    special ids, and an encoder."""
+    """ByteTokenizer as llguidance.TokenizerWrapper reads a tokenizer: each id's bytes (a Lark
+    grammar names the special ones `<bos>` and `<eos>`), the special ids, and an encoder."""
 
     def __init__(self, tokenizer: ByteTokenizer) -> None:
         self.eos_token_id = tokenizer.eos_token_id
@@ -121,8 +121,10 @@ class _ByteVocabulary:
         self.tokens = [bytes([i]) for i in range(256)] + [b"<bos>", b"<eos>"]
         self.special_token_ids = [i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id) if i is not None]
 
-    def __call__(self, text: bytes | str) -> list[int]:
-        return list(text.encode("utf-8") if isinstance(text, str) else text)
+    def __call__(self, text: bytes) -> list[int]:
+        """The bytes' ids. TokenizerWrapper tries an encoder on bytes first and, since this one
+        takes them, passes it the UTF-8 bytes of every string from then on."""
+        return list(text)
 
 
 def _clip(text: str, limit: int = MESSAGE_CHARS) -> str:
@@ -277,11 +279,13 @@ class ConstraintCompiler:
                 matcher.consume_token(token)  # the same error, now the matcher's own
 
     def _allocate(self, rows: int) -> torch.Tensor:
+        """Uninitialised: llguidance writes every row `apply_masks` reads (whatever the matcher's
+        state: fresh, stopped or in error) before it reads it."""
         pin = torch.cuda.is_available()  # a pinned buffer copies to the GPU faster
         try:
-            return torch.full((rows, self._words), -1, dtype=torch.int32, pin_memory=pin)
-        except RuntimeError:
-            return torch.full((rows, self._words), -1, dtype=torch.int32)
+            return torch.empty((rows, self._words), dtype=torch.int32, pin_memory=pin)
+        except RuntimeError:  # pinning failed (CUDA present but unusable): a plain buffer
+            return torch.empty((rows, self._words), dtype=torch.int32)
 
     def _bitmask_rows(self, rows: int) -> torch.Tensor:
         """The shared bitmask's first `rows` rows (contiguous), grown when needed."""
@@ -339,20 +343,24 @@ def _fill(logits: torch.Tensor, forbidden: torch.Tensor, by_numpy: bool) -> None
     if by_numpy:
         np.copyto(logits.numpy(), -np.inf, where=forbidden.numpy())  # the view's memory: in place
     else:
-        logits.masked_fill_(forbidden, float("-inf"))
+        logits.masked_fill_(forbidden, -np.inf)
 
 
 def _forbidden(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
     """(n, vocab_size) bool on `device`, True where llguidance's bitmask (n, W) int32 has a 0 bit:
     bit i of word j is token 32 j + i. On the CPU numpy unpacks the bytes (one pass, no torch
     threads: the little-endian words' byte k holds tokens 32 j + 8 k ...); elsewhere the words
-    travel (32 times smaller than the booleans) and the device unpacks them."""
+    travel (32 times smaller than the booleans) and the device unpacks them (`_unpack_words`)."""
     if device.type == "cpu":
         inverted = np.invert(bitmask.numpy().astype("<i4", copy=False).view(np.uint8))
         bits = np.unpackbits(inverted, axis=1, bitorder="little")[:, :vocab_size]
         return torch.from_numpy(bits.view(np.bool_))
-    words = bitmask.to(device)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    return _unpack_words(bitmask.to(device), vocab_size)
+
+
+def _unpack_words(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`_forbidden` in torch ops on the words' own device (any device, the CPU included)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
     return (((words.unsqueeze(-1) >> shifts) & 1) == 0).view(words.shape[0], -1)[:, :vocab_size]
 
 
