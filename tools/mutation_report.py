@@ -26,7 +26,7 @@ from mutmut.stats import status_by_exit_code
 
 ROOT = Path(__file__).resolve().parent.parent
 SURVIVORS = ROOT / "docs" / "mutation-survivors.toml"
-TARGET = 0.90
+TARGET = 0.95  # every module (the developers guide; issue 10 asked 90%)
 VERDICTS = ("equivalent", "missing")
 KILLED = ("killed", "timeout", "caught by type check")
 
