@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 OUT ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 Q ?= What is the capital of France?
 
-.PHONY: setup demo test serve chat lint proto drills mutate peers compare image compose-drill
+.PHONY: setup demo test test-slow serve chat lint proto drills mutate peers compare image compose-drill
 
 setup: $(VENV)/.installed
 
@@ -24,6 +24,9 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
 
 serve: setup
 	$(BIN)/python -m engine_service --model smollm2

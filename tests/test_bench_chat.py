@@ -238,7 +238,8 @@ def test_a_managed_engine_that_cannot_start_is_reported_with_its_log(tmp_path: P
 
 @pytest.mark.slow
 def test_smollm2_answers_the_capital_of_france_with_paris() -> None:
-    """The default model, in a managed engine: started, asked greedily, drained."""
+    """The default model, in a managed engine: started, asked greedily, drained. (Slow: the demo
+    test asks the same question of the same model through the same managed-engine chat path.)"""
     done = run_cli("chat", QUESTION, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Paris" in done.stdout

@@ -10,14 +10,11 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-import pytest
-
 from tests.bench_helpers import events, point_counts, read_results, run_cli, write_config
 
 DEMO = Path(__file__).resolve().parent.parent / "bench_client" / "demo.toml"
 
 
-@pytest.mark.slow
 def test_demo_sweep_end_to_end(tmp_path: Path) -> None:
     raw = tomllib.loads(DEMO.read_text())
     grid = raw["engine"]["grid"]

@@ -132,14 +132,20 @@ def test_smollm2_float32_logits_match_transformers(smollm2_ours: LoadedModel, sm
         assert diff < LOGIT_TOLERANCE, (text, diff)
 
 
-def test_smollm2_greedy_over_grpc_matches_transformers(smollm2_hf) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def smollm2_engine():  # type: ignore[no-untyped-def]
+    """The file dequantized into float32, as transformers does (no int4 copies: --quantize auto would
+    serve them); chunks of 16 prompt tokens beside decoding rows, and the prefix cache on."""
+    with EngineProcess("--model", "smollm2", "--dtype", "float32", "--quantize", "none", "--max-batch", "4",
+                       "--max-context", "256", "--max-prefill-tokens", "16", "--prefix-cache-tokens", "128") as proc:
+        yield proc
+
+
+def test_smollm2_greedy_over_grpc_matches_transformers(smollm2_hf, smollm2_engine) -> None:  # type: ignore[no-untyped-def]
     hf_tokenizer, hf = smollm2_hf
     prompts = [hf_tokenizer(text)["input_ids"] for text in SMOLLM2_PROMPTS]
     expected = [hf_greedy(hf, prompt, 12) for prompt in prompts]
-    # the file dequantized into float32, as transformers does (no int4 copies: --quantize auto would serve them)
-    with EngineProcess("--model", "smollm2", "--dtype", "float32", "--quantize", "none", "--max-batch", "4",
-                       "--max-context", "128") as proc:
-        assert _concurrent_greedy(proc.port, prompts, 12) == expected
+    assert _concurrent_greedy(smollm2_engine.port, prompts, 12) == expected
 
 
 def _concurrent_greedy(port: int | None, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -292,16 +298,14 @@ def _check_logprobs(reported, tokens: list[int], reference: torch.Tensor) -> flo
     return worst
 
 
-def test_smollm2_logprobs_equal_transformers_log_softmax(smollm2_hf) -> None:  # type: ignore[no-untyped-def]
+def test_smollm2_logprobs_equal_transformers_log_softmax(smollm2_hf, smollm2_engine) -> None:  # type: ignore[no-untyped-def]
     """Greedy and sampled outputs' log-probabilities, and a prompt's echoed ones computed in chunks
     beside a decoding row with the prefix cache on (holding that very prompt): all within 1e-4 of
     transformers' float32 log_softmax for the same prefix."""
     hf_tokenizer, hf = smollm2_hf
     prompt = hf_tokenizer(" ".join(SMOLLM2_PROMPTS * 2) + " The answer is")["input_ids"]
     assert len(prompt) > 32
-    with EngineProcess("--model", "smollm2", "--dtype", "float32", "--quantize", "none", "--max-batch", "4",
-                       "--max-context", "256", "--max-prefill-tokens", "16", "--prefix-cache-tokens", "128") as proc, \
-            grpc.insecure_channel(f"127.0.0.1:{proc.port}") as channel:
+    with grpc.insecure_channel(f"127.0.0.1:{smollm2_engine.port}") as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
 
         def run(**fields) -> list[pb.DecodeResponse]:  # type: ignore[no-untyped-def]

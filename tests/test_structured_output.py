@@ -51,9 +51,12 @@ def free(proc: EngineProcess) -> list[int]:
 
 def test_every_answer_matches_its_schema_or_regex_greedy_and_sampled_beside_free_requests(smollm2) -> None:  # type: ignore[no-untyped-def]
     alone = free(smollm2)
+    # every schema and regex greedy; every other one sampled too (test_constraint.py samples all of
+    # them, three seeds each, through the same masks on random logits)
     jobs = [(pb.ResponseFormat(json_schema=json.dumps(s)), ("schema", s), seed)
-            for s in SCHEMAS for seed in (None, 7)]
-    jobs += [(pb.ResponseFormat(regex=r), ("regex", r), seed) for r in REGEXES for seed in (None, 7)]
+            for i, s in enumerate(SCHEMAS) for seed in ((None, 7) if i % 2 == 0 else (None,))]
+    jobs += [(pb.ResponseFormat(regex=r), ("regex", r), seed)
+             for i, r in enumerate(REGEXES) for seed in ((None, 7) if i % 2 == 0 else (None,))]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         frees = [pool.submit(free, smollm2) for _ in range(3)]
         answers = list(pool.map(lambda job: (job, ask(smollm2, job[0], describe(*job[1]), job[2])), jobs))
