@@ -84,6 +84,7 @@ def _failure(proc: subprocess.CompletedProcess[str], *logs: Path) -> str:
     return text
 
 
+@pytest.mark.slow  # the http drill's quick form (tests/test_drills.py) kills the client mid-sweep and resumes the same way
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; parent_death is Linux's prctl")
 def test_kill_9_mid_sweep_then_resume_records_every_point_once(tmp_path: Path) -> None:
     require_llama_server()
