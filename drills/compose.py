@@ -33,7 +33,6 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +40,7 @@ import yaml
 
 from drills.common import ROOT, note
 from drills.crash import Grid, recorded_lines
-from drills.replicas import CUT_CODES, _audit, config_toml
+from drills.replicas import audit_rolling_sweep, config_toml, wait_points
 from drills.row import Checks, Row
 
 NAME = "compose"
@@ -248,15 +247,6 @@ def wait_healthy(replicas: list[Replica], timeout: float) -> dict[str, str]:
         time.sleep(2)
 
 
-def wait_points(out: Path, count: int, sweep: subprocess.Popen[bytes], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while recorded_lines(out) < count:
-        if sweep.poll() is not None or time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
 def prometheus_up(port: int) -> dict[str, str]:
     """`up` of the engine job by instance, from Prometheus's HTTP API."""
     query = urllib.parse.urlencode({"query": 'up{job="engine"}'})
@@ -406,25 +396,10 @@ def _drive(stack: Stack, grid: Grid, rate: float, shared: Path, replaced: list[s
     records = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
     details = [json.loads(line) for line in detail.read_text().splitlines()] if detail.exists() else []
 
-    checks.expect(code == 0, f"the sweep exited {code}: {sweep_log[-300:]}")
-    checks.expect(drain_exit == 0, f"the drained replica exited {drain_exit}")
-    problems = _audit(records, grid)
-    checks.expect(not problems, f"results: {problems[:3]}")
-    bad = [f"{r['context_tokens']}/{r['concurrency']}: {r['status']} {r['reason']}" for r in records
-           if r["status"] != "ok"]
-    checks.expect(not bad, f"points not ok: {bad[:3]}")
-    failed_by_code: Counter[str] = Counter()
-    by_replica: Counter[str] = Counter()
-    for r in records:
-        failed_by_code.update(r["requests"]["failed_by_code"])
-        by_replica.update(r["requests"]["by_replica"])
-    checks.expect(set(failed_by_code) <= CUT_CODES, f"failures other than cut streams: {dict(failed_by_code)}")
     names = [r.name for r in replicas]
-    missing = [n for n in names if by_replica[n] == 0]
-    checks.expect(not missing, f"no requests landed on {missing} ({dict(by_replica)})")
-    after_restart = {n: sum(1 for d in details if d["peer"] == n and d["sent_at"] > t) for n, t in restarted_at.items()}
-    checks.expect(len(restarted_at) == 2 and all(after_restart.values()),
-                  f"restarted replicas served after their restart: {after_restart}")
+    audit = audit_rolling_sweep(checks, grid, records, details, names, restarted_at, code, drain_exit, sweep_log)
+    problems, failed_by_code, by_replica, after_restart = (audit.problems, audit.failed_by_code, audit.by_replica,
+                                                           audit.after_restart)
 
     states = wait_healthy(replicas, HEALTHY_TIMEOUT_S)
     checks.expect(set(states.values()) == {"healthy"}, f"replicas not healthy after the sweep: {states}")

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from drills.common import ROOT, EngineProcess, free_port, note
@@ -99,24 +100,9 @@ def run(quick: bool) -> Row:
         details = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
         sweep_log = (work / "sweep.log").read_text(errors="replace")
 
-    checks.expect(code == 0, f"the sweep exited {code}: {sweep_log[-300:]}")
-    checks.expect(drain_exit == 0, f"the drained replica exited {drain_exit}")
-    problems = _audit(records, grid)
-    checks.expect(not problems, f"results: {problems[:3]}")
-    bad = [f"{r['context_tokens']}/{r['concurrency']}: {r['status']} {r['reason']}" for r in records
-           if r["status"] != "ok"]
-    checks.expect(not bad, f"points not ok: {bad[:3]}")
-    failed_by_code: Counter[str] = Counter()
-    by_replica: Counter[str] = Counter()
-    for r in records:
-        failed_by_code.update(r["requests"]["failed_by_code"])
-        by_replica.update(r["requests"]["by_replica"])
-    checks.expect(set(failed_by_code) <= CUT_CODES, f"failures other than cut streams: {dict(failed_by_code)}")
-    missing = [a for a in addresses if by_replica[a] == 0]
-    checks.expect(not missing, f"no requests landed on {missing} ({dict(by_replica)})")
-    after_restart = {a: sum(1 for d in details if d["peer"] == a and d["sent_at"] > t) for a, t in restarted_at.items()}
-    checks.expect(len(restarted_at) == 2 and all(after_restart.values()),
-                  f"restarted replicas served after their restart: {after_restart}")
+    audit = audit_rolling_sweep(checks, grid, records, details, addresses, restarted_at, code, drain_exit, sweep_log)
+    problems, failed_by_code, by_replica, after_restart = (audit.problems, audit.failed_by_code, audit.by_replica,
+                                                           audit.after_restart)
     retries = sum(r["requests"]["retries"] for r in records)
     return checks.row(
         NAME,
@@ -132,6 +118,42 @@ def run(quick: bool) -> Row:
                  "requests by replica": "/".join(str(by_replica[a]) for a in addresses),
                  "served after restart": "/".join(str(after_restart.get(a, 0)) for a in addresses[:2])},
     )
+
+
+@dataclass(frozen=True)
+class SweepAudit:
+    problems: list[str]  # points missing or duplicated, counts that do not add up: each a lost result
+    failed_by_code: Counter[str]
+    by_replica: Counter[str]
+    after_restart: dict[str, int]  # requests each restarted replica served after its restart
+
+
+def audit_rolling_sweep(checks: Checks, grid: Grid, records: list[dict], details: list[dict],  # type: ignore[type-arg]
+                        replicas: list[str], restarted_at: dict[str, float], code: int | None,
+                        drain_exit: int | None, sweep_log: str) -> SweepAudit:
+    """What a sweep through a drained and a killed replica must show, here and under compose
+    (drills/compose.py): it exited 0, the drained replica exited 0, every point once and ok, only cut
+    streams failed, requests on every replica (`replicas`, as the records name them) and on each
+    restarted one after its restart."""
+    checks.expect(code == 0, f"the sweep exited {code}: {sweep_log[-300:]}")
+    checks.expect(drain_exit == 0, f"the drained replica exited {drain_exit}")
+    problems = _audit(records, grid)
+    checks.expect(not problems, f"results: {problems[:3]}")
+    bad = [f"{r['context_tokens']}/{r['concurrency']}: {r['status']} {r['reason']}" for r in records
+           if r["status"] != "ok"]
+    checks.expect(not bad, f"points not ok: {bad[:3]}")
+    failed_by_code: Counter[str] = Counter()
+    by_replica: Counter[str] = Counter()
+    for r in records:
+        failed_by_code.update(r["requests"]["failed_by_code"])
+        by_replica.update(r["requests"]["by_replica"])
+    checks.expect(set(failed_by_code) <= CUT_CODES, f"failures other than cut streams: {dict(failed_by_code)}")
+    missing = [a for a in replicas if by_replica[a] == 0]
+    checks.expect(not missing, f"no requests landed on {missing} ({dict(by_replica)})")
+    after_restart = {a: sum(1 for d in details if d["peer"] == a and d["sent_at"] > t) for a, t in restarted_at.items()}
+    checks.expect(len(restarted_at) == 2 and all(after_restart.values()),
+                  f"restarted replicas served after their restart: {after_restart}")
+    return SweepAudit(problems, failed_by_code, by_replica, after_restart)
 
 
 def _audit(records: list[dict], grid: Grid) -> list[str]:  # type: ignore[type-arg]
