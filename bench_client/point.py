@@ -1,17 +1,21 @@
 """One point of the sweep: its requests at a concurrency and arrival rate, each request handled
 by the policy table.
 
-The point's requests start as a Poisson process of `request_rate` (all at once when it is inf)
-and at most `concurrency` of them are in flight (a request keeps its slot while it backs off).
-Warmup requests run first, at the same concurrency, and are not measured.
+The point's requests (workload.py: built before its clock starts) start as a gamma process of
+`request_rate` with shape `burstiness` (1: Poisson, vLLM's arrivals; all at once when the rate is
+inf) and at most `concurrency` of them are in flight (a request keeps its slot while it backs off).
+With `duration_s`, no request starts once that many seconds passed since the first one: the point
+ends when those in flight end (the others are not sent, and not counted). Warmup requests run
+first, at the same concurrency, and are not measured.
 
-Prompts (prompts.py): with `prefix_tokens` > 0, request i of a point starts with the shared prefix
-of group i % prefix_groups. Warmup request i uses group i % prefix_groups too, as vLLM's benchmark
-warms up on the measured distribution: with warmup_requests >= prefix_groups every prefix is in the
-engine's prefix cache before the measured requests start (capacity allowing), so a point measures
-the steady state of shared system prompts. The prefixes are the same at every point of the sweep;
-the rest of each prompt is the point's own (prompts.py), so no point is served from a cache by an
-earlier point's prompts.
+Prompts: with `prefix_tokens` > 0, request i of a point starts with the shared prefix of group
+i % prefix_groups. Warmup request i uses group i % prefix_groups too, as vLLM's benchmark warms up
+on the measured distribution: with warmup_requests >= prefix_groups every prefix is in the engine's
+prefix cache before the measured requests start (capacity allowing), so a point measures the
+steady state of shared system prompts.
+
+Output tokens: the server's usage where it reports it; where it does not, the answer's text is
+counted by the sweep's tokenizer after the request ended (never on its clock) — metrics.py.
 
 A request that ends with finish_reason LENGTH before max_new_tokens, with no error, was cut short by
 the server (llama-server stops a request at its slot's context): it is `truncated`, counted with the
@@ -33,27 +37,16 @@ import structlog
 
 from bench_client.config import PolicyConfig, WorkloadConfig
 from bench_client.metrics import Arrival, RequestTimeline
+from bench_client.point_spec import PointSpec
 from bench_client.policy import Action, backoff_delay, decide
-from bench_client.prompts import make_prompt
 from bench_client.server_api import Chunk, DecodeSpec, ServerClient, ServerInfo
+from bench_client.tokenizer import PromptTokenizer
+from bench_client.workload import PointPrompts, PointRequest
 from shared.errors import EngineError, wire_code
 
+__all__ = ["PointSpec"]  # re-exported: the point's key, read with its outcome
+
 log = structlog.get_logger()
-
-
-@dataclass(frozen=True)
-class PointSpec:
-    context_tokens: int
-    max_new_tokens: int
-    concurrency: int
-    request_rate: float
-    prefix_tokens: int = 0  # the shared prefix of each prompt (workload.prefix_tokens)
-    prefix_groups: int = 1
-
-    def tag(self) -> str:
-        rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
-        prefix = f"-p{self.prefix_tokens}g{self.prefix_groups}" if self.prefix_tokens else ""
-        return f"c{self.context_tokens}-n{self.max_new_tokens}-x{self.concurrency}-r{rate}{prefix}"
 
 
 @dataclass(frozen=True)
@@ -106,7 +99,8 @@ class PointObserver(Protocol):
 
 class PointRunner:
     def __init__(self, client: ServerClient, server_info: ServerInfo, workload: WorkloadConfig,
-                 policy: PolicyConfig, health: HealthGate, observer: PointObserver, run_id: str) -> None:
+                 policy: PolicyConfig, health: HealthGate, observer: PointObserver, run_id: str, *,
+                 prompts: PointPrompts | None = None, tokenizer: PromptTokenizer | None = None) -> None:
         self.client = client
         self.server_info = server_info
         self.workload = workload
@@ -114,33 +108,47 @@ class PointRunner:
         self.health = health
         self.observer = observer
         self.run_id = run_id
+        self.prompts = prompts or PointPrompts(workload)
+        self.tokenizer = tokenizer  # sizes text prompts and counts answers that come without usage
         self._rng = random.Random(workload.seed)  # backoff jitter only
 
     async def run(self, spec: PointSpec) -> PointOutcome:
         """Warm up, then run the measured requests; raises PointSkipped or SweepStopped."""
-        if self.workload.warmup_requests:
-            await self._run_batch(spec, range(self.workload.warmup_requests), rate=math.inf, warmup=True)
+        warmup = await self._requests(spec, warmup=True, count=self.workload.warmup_requests)
+        measured = await self._requests(spec, warmup=False, count=self.workload.requests_per_point)
+        if warmup:
+            await self._run_batch(spec, warmup, rate=math.inf, warmup=True)
         started = time.perf_counter()
-        outcomes = await self._run_batch(spec, range(self.workload.requests_per_point), rate=spec.request_rate,
-                                         warmup=False)
+        outcomes = await self._run_batch(spec, measured, rate=spec.request_rate, warmup=False,
+                                         duration_s=self.workload.duration_s)
         duration = time.perf_counter() - started
         retries = sum(o.attempts - 1 for o in outcomes)
         return PointOutcome(spec=spec, requests=tuple(outcomes), duration_s=duration, retries=retries)
 
-    async def _run_batch(self, spec: PointSpec, indices: range, *, rate: float,
-                         warmup: bool) -> list[RequestOutcome]:
-        slots = asyncio.Semaphore(spec.concurrency)
-        offsets = arrival_offsets(len(indices), rate, random.Random(f"{self.workload.seed}:{spec.tag()}"))
-        started = time.perf_counter()
+    async def _requests(self, spec: PointSpec, *, warmup: bool, count: int) -> list[PointRequest]:
+        if not count:
+            return []
+        return await self.prompts.requests(spec, warmup=warmup, count=count, tokenizer=self.tokenizer,
+                                           server_info=self.server_info)
 
-        async def one(index: int, offset: float) -> RequestOutcome:
+    async def _run_batch(self, spec: PointSpec, requests: Sequence[PointRequest], *, rate: float, warmup: bool,
+                         duration_s: float | None = None) -> list[RequestOutcome]:
+        slots = asyncio.Semaphore(spec.concurrency)
+        offsets = arrival_offsets(len(requests), rate, random.Random(f"{self.workload.seed}:{spec.tag()}"),
+                                  burstiness=self.workload.burstiness)
+        started = time.perf_counter()
+        deadline = started + duration_s if duration_s is not None else math.inf
+
+        async def one(request: PointRequest, offset: float) -> RequestOutcome | None:
             delay = started + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             async with slots:
-                return await self._request(spec, index, warmup)
+                if time.perf_counter() >= deadline:
+                    return None  # the point's time is up: not sent
+                return await self._request(spec, request, warmup)
 
-        tasks = [asyncio.create_task(one(i, off)) for i, off in zip(indices, offsets, strict=True)]
+        tasks = [asyncio.create_task(one(r, off)) for r, off in zip(requests, offsets, strict=True)]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         finally:
@@ -148,21 +156,18 @@ class PointRunner:
                 task.cancel()  # only the unfinished ones: a skip or stop ends the whole batch
             await asyncio.wait(tasks)
         _raise_first_error(tasks)
-        return [task.result() for task in tasks]
+        return [outcome for task in tasks if (outcome := task.result()) is not None]
 
-    async def _request(self, spec: PointSpec, index: int, warmup: bool) -> RequestOutcome:
-        prompt = make_prompt(seed=self.workload.seed, length=spec.context_tokens,
-                             index=-1 - index if warmup else index, vocab_size=self.server_info.vocab_size,
-                             avoid=(self.server_info.eos_token_id, self.server_info.bos_token_id),
-                             prefix_tokens=spec.prefix_tokens, prefix_group=index % spec.prefix_groups,
-                             point=spec.tag())
+    async def _request(self, spec: PointSpec, request: PointRequest, warmup: bool) -> RequestOutcome:
+        index = request.index
         self.observer.request_started(spec)
         attempt = 0
         while True:
             attempt += 1
             decode = DecodeSpec(
                 request_id=f"{self.run_id}-{spec.tag()}-{'w' if warmup else 'm'}{index}-a{attempt}",
-                prompt_token_ids=prompt, max_new_tokens=spec.max_new_tokens, ignore_eos=self.workload.ignore_eos,
+                prompt_token_ids=request.token_ids, prompt_text=request.text, messages=request.messages,
+                max_new_tokens=request.max_new_tokens, ignore_eos=self.workload.ignore_eos,
                 temperature=self.workload.temperature, top_p=self.workload.top_p, top_k=self.workload.top_k,
                 seed=self.workload.seed + index,
             )
@@ -178,7 +183,8 @@ class PointRunner:
                 if outcome is None:
                     continue
             else:
-                outcome = _success(index, warmup, attempt, sent_at, chunks, len(prompt), spec.max_new_tokens)
+                outcome = _success(index, warmup, attempt, sent_at, chunks, request.prompt_tokens,
+                                   request.max_new_tokens, await self._text_tokens(chunks))
             outcome = dataclasses.replace(outcome, sent_at_unix=sent_at_unix, replica=stream.replica)
             self.observer.request_finished(spec, outcome)
             return outcome
@@ -221,14 +227,24 @@ class PointRunner:
         raise AssertionError(f"policy action {action!r} has no handler")  # a client bug: crash
 
 
-def arrival_offsets(count: int, rate: float, rng: random.Random) -> list[float]:
-    """Start offsets (s) of `count` requests: a Poisson process of `rate`/s, all 0 when rate is inf."""
+    async def _text_tokens(self, chunks: Sequence[Chunk]) -> int | None:
+        """The answer's text counted by the sweep's tokenizer, where the server sent no usage count."""
+        if not chunks or chunks[-1].completion_tokens is not None or self.tokenizer is None:
+            return None
+        return len(await self.tokenizer.encode("".join(c.text for c in chunks)))
+
+
+def arrival_offsets(count: int, rate: float, rng: random.Random, *, burstiness: float = 1.0) -> list[float]:
+    """Start offsets (s) of `count` requests: gaps drawn from a gamma distribution of shape
+    `burstiness` and mean 1/rate (vLLM's: 1 is a Poisson process, smaller is burstier); all 0 when
+    rate is inf."""
     if math.isinf(rate):
         return [0.0] * count
     offsets, now = [], 0.0
     for _ in range(count):
         offsets.append(now)
-        now += rng.expovariate(rate)
+        # burstiness 1 is the exponential: drawn as such, so a Poisson sweep keeps the arrivals it had
+        now += rng.expovariate(rate) if burstiness == 1.0 else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
     return offsets
 
 
@@ -236,7 +252,7 @@ TRUNCATED = "TRUNCATED"  # the code and reason of a request the server cut short
 
 
 def _success(index: int, warmup: bool, attempts: int, sent_at: float, chunks: Sequence[Chunk],
-             prompt_tokens: int, max_new_tokens: int) -> RequestOutcome:
+             prompt_tokens: int, max_new_tokens: int, text_tokens: int | None = None) -> RequestOutcome:
     last = chunks[-1] if chunks else None
     if last is None or last.finish_reason is None:
         # The stream ended cleanly without its final message: a contract violation, counted as failed.
@@ -252,8 +268,9 @@ def _success(index: int, warmup: bool, attempts: int, sent_at: float, chunks: Se
         cached_prompt_tokens=last.cached_prompt_tokens or 0,
         usage_completion_tokens=last.completion_tokens,
         server_timings=dict(last.server_timings) if last.server_timings else None,
+        text_tokens=text_tokens,
     )
-    produced = last.completion_tokens if last.completion_tokens is not None else timeline.output_tokens
+    produced = timeline.output_tokens
     if last.finish_reason == "LENGTH" and produced < max_new_tokens:
         return RequestOutcome(index=index, warmup=warmup, attempts=attempts, timeline=timeline, truncated=True,
                               status_code=TRUNCATED, reason=TRUNCATED,

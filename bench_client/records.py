@@ -16,7 +16,7 @@ ERROR_RATE_EXCEEDED = "ERROR_RATE_EXCEEDED"
 
 
 def _base(spec: PointSpec, engine: Mapping[str, Any] | None, target: str, server_info: ServerInfo | None,
-          run_id: str, started_at: float, server: str, api: str) -> dict[str, Any]:
+          run_id: str, started_at: float, server: str, api: str, workload: Mapping[str, Any] | None) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "server": server,
@@ -27,6 +27,7 @@ def _base(spec: PointSpec, engine: Mapping[str, Any] | None, target: str, server
         "request_rate": rate_to_json(spec.request_rate),
         "prefix_tokens": spec.prefix_tokens,
         "prefix_groups": spec.prefix_groups,
+        **(workload or {}),
         "engine": dict(engine) if engine is not None else None,
         "target": target,
         "server_info": server_info.as_dict() if server_info is not None else None,
@@ -38,10 +39,11 @@ def _base(spec: PointSpec, engine: Mapping[str, Any] | None, target: str, server
 
 def skipped_record(spec: PointSpec, *, engine: Mapping[str, Any] | None, target: str,
                    server_info: ServerInfo | None, run_id: str, started_at: float, reason: str, reason_metadata: Mapping[str, str], message: str, without_sending: bool,
-                   sent: int = 0, code: str | None = None, server: str = "", api: str = ENGINE_V1) -> dict[str, Any]:
+                   sent: int = 0, code: str | None = None, server: str = "", api: str = ENGINE_V1,
+                   workload: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`code`: the status the refusal came with (gRPC name, or HTTP_400...); None when not sent."""
     return {
-        **_base(spec, engine, target, server_info, run_id, started_at, server, api),
+        **_base(spec, engine, target, server_info, run_id, started_at, server, api, workload),
         "status": "skipped",
         "reason": reason,
         "reason_metadata": dict(reason_metadata),
@@ -56,9 +58,12 @@ def skipped_record(spec: PointSpec, *, engine: Mapping[str, Any] | None, target:
 
 def point_record(outcome: PointOutcome, *, engine: Mapping[str, Any] | None, target: str,
                  server_info: ServerInfo, run_id: str, started_at: float, warmup: int,
-                 max_error_rate: float, server: str = "", api: str = ENGINE_V1) -> dict[str, Any]:
+                 max_error_rate: float, server: str = "", api: str = ENGINE_V1,
+                 workload: Mapping[str, Any] | None = None, percentiles: Sequence[float] = metrics.PERCENTILES,
+                 slo: metrics.SLO | None = None) -> dict[str, Any]:
     """The record of a point that ran: `failed` when its error rate exceeds max_error_rate. Truncated
-    requests count as failed (code and reason TRUNCATED) and are named in the message."""
+    requests count as failed (code and reason TRUNCATED) and are named in the message. `workload`:
+    the sweep's workload keys the record carries (dataset, endpoint, ...: results.py)."""
     ok = [r.timeline for r in outcome.requests if r.ok and r.timeline is not None]
     failed = [r for r in outcome.requests if not r.ok]
     truncated = sum(1 for r in failed if r.truncated)
@@ -67,7 +72,7 @@ def point_record(outcome: PointOutcome, *, engine: Mapping[str, Any] | None, tar
     error_rate = len(failed) / len(outcome.requests) if outcome.requests else 0.0
     status = "failed" if error_rate > max_error_rate else "ok"
     return {
-        **_base(outcome.spec, engine, target, server_info, run_id, started_at, server, api),
+        **_base(outcome.spec, engine, target, server_info, run_id, started_at, server, api, workload),
         "status": status,
         "reason": ERROR_RATE_EXCEEDED if status == "failed" else None,
         "reason_metadata": {"errorRate": f"{error_rate:.4g}", "maxErrorRate": f"{max_error_rate:g}"}
@@ -87,7 +92,8 @@ def point_record(outcome: PointOutcome, *, engine: Mapping[str, Any] | None, tar
             "by_replica": by_replica(outcome.requests),
             "truncated": truncated,
         },
-        "metrics": metrics.compute(ok, outcome.duration_s).as_dict(),
+        "metrics": metrics.compute(ok, outcome.duration_s, percentiles=percentiles, slo=slo,
+                                   measured=len(outcome.requests)).as_dict(),
     }
 
 
@@ -136,6 +142,8 @@ def request_record(spec: PointSpec, outcome: RequestOutcome, *, engine: Mapping[
             ttft_s=timeline.ttft,
             e2el_s=timeline.e2el,
             output_tokens=timeline.output_tokens,
+            output_token_source=timeline.output_token_source,
+            streamed_tokens=timeline.streamed_tokens,
             prompt_tokens=timeline.prompt_tokens,
             cached_prompt_tokens=timeline.cached_prompt_tokens,
             messages=[[round(a.at - timeline.sent_at, 6), a.num_tokens] for a in timeline.arrivals],

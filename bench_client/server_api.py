@@ -49,7 +49,18 @@ class ServerInfo:
 
 
 @dataclass(frozen=True)
+class ChatMessage:
+    role: str  # "system", "user", "assistant"
+    content: str
+
+
+@dataclass(frozen=True)
 class DecodeSpec:
+    """One measured request. Its prompt is exactly one of: token ids (`prompt_token_ids`, for a
+    server that takes them: engine.v1, llama-server, vLLM), text (`prompt_text`: every server's
+    completions endpoint), or chat messages (`messages`: the chat endpoint, the server renders its
+    template)."""
+
     request_id: str
     prompt_token_ids: tuple[int, ...]
     max_new_tokens: int
@@ -58,12 +69,18 @@ class DecodeSpec:
     top_p: float
     top_k: int
     seed: int
+    prompt_text: str = ""
+    messages: tuple[ChatMessage, ...] = ()
+
+    def __post_init__(self) -> None:
+        given = sum((bool(self.prompt_token_ids), bool(self.prompt_text), bool(self.messages)))
+        if given != 1:
+            raise ValueError(f"a DecodeSpec takes exactly one of prompt_token_ids, prompt_text and messages, "
+                             f"got {given} (request {self.request_id!r})")
 
 
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str  # "system", "user", "assistant"
-    content: str
+class NoTokenizeEndpoint(Exception):
+    """The server has no tokenize endpoint (an OpenAI-compatible server without /tokenize)."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +161,11 @@ class ServerClient(Protocol):
                attributes: Mapping[str, Any] | None = None) -> DecodeStream: ...
 
     def chat(self, spec: ChatSpec, *, timeout: float) -> DecodeStream: ...
+
+    async def tokenize(self, text: str, timeout: float = 10.0) -> list[int]:
+        """The token ids the server's own tokenizer gives `text` (engine.v1 Tokenize, llama-server's
+        and vLLM's POST /tokenize); raises NoTokenizeEndpoint where it has none, else its EngineError."""
+        ...
 
 
 async def poll_until_serving(is_serving: Callable[[float], Awaitable[bool]], timeout: float,

@@ -12,6 +12,12 @@ CONTEXT_LENGTH_EXCEEDED (same max_new_tokens, a smaller or equal context) are re
 without sending. A stop request (SIGTERM) lets the current point finish, then drains and returns.
 Recovery is the policy table's (policy.py): this module only does what it answers.
 
+Prompts (workload.py) are built before each point's clock starts and kept for the sweep, so every
+server gets the same ones. The tokenizer that sizes and counts them is the workload's (`tokenizer`),
+else the first server's own tokenize endpoint; the `prompt_tokenizer` event says which, and each
+record names it. With `[search]`, the searched key's points are the probes of an SLO search
+(slo_search.py), run until the search ends; recorded probes are not run again.
+
 Traces: the sweep is one trace. Its root span `bench.sweep` has a child `bench.point` per point
 recorded (skipped ones included, with their reason), and each point's Decode calls are CLIENT
 spans under it (rpc.py), continued by the engine. With tracing off the spans are no-ops.
@@ -19,6 +25,7 @@ spans under it (rpc.py), continued by the engine. With tracing off the spans are
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import sys
@@ -26,6 +33,7 @@ import time
 import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -35,7 +43,9 @@ from opentelemetry.trace import Status, StatusCode
 
 from bench_client import records
 from bench_client.chat import Question, ask
-from bench_client.config import PreviewConfig, ServerConfig, SweepConfig
+from bench_client.config import CONCURRENCY, RANDOM, TOKEN_IDS, PreviewConfig, ServerConfig, SweepConfig
+from bench_client.config_fields import ConfigError
+from bench_client.datasets import DatasetError
 from bench_client.engine_process import EngineExit, EngineStartError, ManagedEngine, engine_configurations
 from bench_client.openai_http import OpenAIClient
 from bench_client.point import PointRunner, PointSkipped, PointSpec, RequestOutcome, SweepStopped
@@ -43,7 +53,10 @@ from bench_client.policy import Action, decide_preview, decide_server_info
 from bench_client.progress import SweepProgress
 from bench_client.results import PointKey, ResultsDir, engine_key, rate_to_json
 from bench_client.rpc import EngineClient
-from bench_client.server_api import ENGINE_V1, ServerClient, ServerInfo
+from bench_client.server_api import ENGINE_V1, NoTokenizeEndpoint, ServerClient, ServerInfo
+from bench_client.slo_search import Probe, SearchResult, next_probe, result_of
+from bench_client.tokenizer import PromptTokenizer, ServerTokenizer, load_tokenizer
+from bench_client.workload import NoVocabulary, PointPrompts
 from shared.errors import ContextLengthExceeded, EngineError, wire_code
 from shared.tracing import record_skip
 
@@ -74,11 +87,39 @@ class _KnownSkip:
 
 
 def grid_points(config: SweepConfig) -> list[PointSpec]:
-    """The points of one engine configuration, smallest context first (so skips propagate)."""
+    """The points of one engine configuration, smallest context first (so skips propagate). With a
+    [search], the searched key takes one placeholder value (`search.high`): each such point is the
+    base of one search, whose probes replace its value."""
     w = config.workload
+    rates: tuple[float, ...] = w.request_rate
+    concurrency: tuple[int, ...] = w.concurrency
+    if config.search is not None:
+        if config.search.over == CONCURRENCY:
+            concurrency = (int(config.search.high),)
+        else:
+            rates = (config.search.high,)
     return [PointSpec(c, n, x, r, prefix_tokens=w.prefix_tokens, prefix_groups=w.prefix_groups)
-            for c, n, x, r in itertools.product(sorted(w.context_tokens), w.max_new_tokens, w.concurrency,
-                                                w.request_rate)]
+            for c, n, x, r in itertools.product(sorted(w.context_tokens), w.max_new_tokens, concurrency, rates)]
+
+
+def probe_spec(base: PointSpec, over: str, value: float) -> PointSpec:
+    """The point of one search probe: `base` with its searched key set to `value`."""
+    if over == CONCURRENCY:
+        return dataclasses.replace(base, concurrency=int(value))
+    return dataclasses.replace(base, request_rate=value)
+
+
+def open_workload(config: SweepConfig) -> tuple[PointPrompts, PromptTokenizer | None]:
+    """The sweep's prompt builder and its named tokenizer (None: the servers' own), checked before any
+    request: ConfigError names the tokenizer or the dataset file that cannot be used."""
+    w = config.workload
+    tokenizer = load_tokenizer(w.tokenizer, base_dir=Path.cwd()) if w.tokenizer is not None else None
+    prompts = PointPrompts(w)
+    try:
+        prompts.check()
+    except DatasetError as err:
+        raise ConfigError(str(err)) from err
+    return prompts, tokenizer
 
 
 class _Observer:
@@ -106,10 +147,13 @@ class _UnmanagedHealth:
 
 
 class SweepRunner:
-    def __init__(self, config: SweepConfig, results: ResultsDir, progress: SweepProgress) -> None:
+    def __init__(self, config: SweepConfig, results: ResultsDir, progress: SweepProgress,
+                 workload: tuple[PointPrompts, PromptTokenizer | None] | None = None) -> None:
         self.config = config
         self.results = results
         self.progress = progress
+        self._prompts, self._tokenizer = workload or open_workload(config)
+        self.search_results: list[tuple[str, PointSpec, SearchResult]] = []  # (server, base point, result)
         self.run_id = uuid.uuid4().hex[:8]
         self._stop_requested = False
         self._recorded = 0
@@ -146,13 +190,14 @@ class SweepRunner:
         runs = [(server, engine) for server in self.config.servers
                 for engine in (engine_configurations(server.launch) if server.launch is not None else [None])]
         points = grid_points(self.config)
-        total = len(runs) * len(points)
-        done = sum(1 for server, e in runs for p in points if self._key(server, e, p) in self.results.done)
+        total = len(runs) * len(points) * (self.config.search.steps if self.config.search else 1)
+        keys = {self._key(server, e, p) for server, e in runs for p in points}
+        done = sum(1 for record in self.results.records if self.config.search or PointKey.of_record(record) in keys)
         span.set_attributes({"bench.sweep.points": total, "bench.sweep.already_recorded": done})
         self.progress.sweep_started(total, done)
         try:
             for server, engine in runs:
-                todo = [p for p in points if self._key(server, engine, p) not in self.results.done]
+                todo = [p for p in points if self._to_run(server, engine, p)]
                 if todo and not self._stop_requested:
                     await self._run_server(server, engine, todo)
         except (SweepStopped, EngineStartError) as stop:
@@ -198,11 +243,67 @@ class SweepRunner:
                 self._previewed = True
                 await self._preview(client, server_info, self.config.preview)
             runner = PointRunner(client, server_info, self.config.workload, self.config.policy, health,
-                                 _Observer(self.progress, self.results, engine, self.run_id, server.name), self.run_id)
+                                 _Observer(self.progress, self.results, engine, self.run_id, server.name), self.run_id,
+                                 prompts=self._prompts, tokenizer=self._tokenizer_for(client))
             for spec in todo:
                 if self._stop_requested:
                     return
-                await self._run_point(runner, spec, server, engine, client.target, server_info)
+                if self.config.search is None:
+                    await self._run_point(runner, spec, server, engine, client.target, server_info)
+                else:
+                    await self._run_search(runner, spec, server, engine, client.target, server_info)
+
+    def _tokenizer_for(self, client: ServerClient) -> PromptTokenizer | None:
+        """The workload's tokenizer, else the server's own where text has to be sized or counted."""
+        w = self.config.workload
+        if self._tokenizer is not None:
+            tokenizer: PromptTokenizer | None = self._tokenizer
+        elif w.prompt_format == TOKEN_IDS and w.dataset == RANDOM:
+            tokenizer = None  # ids need no tokenizer; answers without usage are counted by their events
+        else:
+            tokenizer = ServerTokenizer(client, name=f"the tokenize endpoint of {client.target}")
+        log.info("prompt_tokenizer", tokenizer=tokenizer.name if tokenizer else None, dataset=w.dataset,
+                 prompt_format=w.prompt_format, endpoint=w.endpoint, target=client.target)
+        return tokenizer
+
+    def _to_run(self, server: ServerConfig, engine: dict[str, Any] | None, spec: PointSpec) -> bool:
+        """Whether `spec` (a point, or a search's base) still has a point to run for this server."""
+        if self.config.search is None:
+            return self._key(server, engine, spec) not in self.results.done
+        return self._recorded_probes(server, engine, spec)[1] is not None
+
+    def _recorded_probes(self, server: ServerConfig, engine: dict[str, Any] | None,
+                         base: PointSpec) -> tuple[list[Probe], float | None]:
+        """The search's probes replayed from the records, and the first value not recorded (None: done)."""
+        search = self.config.search
+        assert search is not None
+        by_key = {PointKey.of_record(r): r for r in self.results.records}
+        probes: list[Probe] = []
+        while (value := next_probe(search, probes)) is not None:
+            record = by_key.get(self._key(server, engine, probe_spec(base, search.over, value)))
+            if record is None:
+                return probes, value
+            probes.append(Probe(value, _attainment(record)))
+        return probes, None
+
+    async def _run_search(self, runner: PointRunner, base: PointSpec, server: ServerConfig,
+                          engine: dict[str, Any] | None, target: str, server_info: ServerInfo) -> None:
+        search = self.config.search
+        assert search is not None
+        while True:
+            probes, value = self._recorded_probes(server, engine, base)
+            if value is None or self._stop_requested:
+                break
+            spec = probe_spec(base, search.over, value)
+            await self._run_point(runner, spec, server, engine, target, server_info,
+                                  search={"over": search.over, "step": len(probes) + 1, "low": search.low,
+                                          "high": search.high, "attainment": search.attainment})
+        if value is None:
+            result = result_of(search, probes)
+            self.search_results.append((server.name, base, result))
+            log.info("slo_search_done", server=server.name, point=base.tag(), over=search.over, best=result.best,
+                     first_miss=result.first_miss, probes=result.probes, attainment=search.attainment,
+                     slo=self.config.slo.as_dict() if self.config.slo else None)
 
     async def _server_info(self, client: ServerClient, health: Any) -> ServerInfo:
         """What the server says about itself; the policy decides what a failure to ask means."""
@@ -245,10 +346,12 @@ class SweepRunner:
         log.info("preview_answered", finish_reason=answer.finish_reason, completion_tokens=answer.completion_tokens)
 
     async def _run_point(self, runner: PointRunner, spec: PointSpec, server: ServerConfig,
-                         engine: dict[str, Any] | None, target: str, server_info: ServerInfo) -> None:
+                         engine: dict[str, Any] | None, target: str, server_info: ServerInfo,
+                         search: dict[str, Any] | None = None) -> None:
         with tracer.start_as_current_span("bench.point", attributes=_point_attributes(spec, server, engine,
                                                                                        target)) as span:
-            record = await self._point_record(runner, spec, server, engine, target, server_info)
+            record = await self._point_record(runner, spec, server, engine, target, server_info,
+                                              {**self._workload_fields(runner), "search": search})
             span.set_attributes({"bench.point.status": record["status"],
                                  "bench.point.requests.completed": record["requests"]["completed"],
                                  "bench.point.requests.failed": record["requests"]["failed"],
@@ -261,12 +364,21 @@ class SweepRunner:
                                                          f"{record['requests']['sent']} requests failed"))
             self._record(record)
 
+    def _workload_fields(self, runner: PointRunner) -> dict[str, Any]:
+        """The workload's keys every record carries (results.py)."""
+        w = self.config.workload
+        return {"dataset": w.dataset, "endpoint": w.endpoint, "prompt_format": w.prompt_format,
+                "tokenizer": runner.tokenizer.name if runner.tokenizer is not None else None,
+                "range_ratio": w.range_ratio, "burstiness": w.burstiness, "duration_s": w.duration_s,
+                "slo": self.config.slo.as_dict() if self.config.slo is not None else None}
+
     async def _point_record(self, runner: PointRunner, spec: PointSpec, server: ServerConfig,
-                            engine: dict[str, Any] | None, target: str, server_info: ServerInfo) -> dict[str, Any]:
+                            engine: dict[str, Any] | None, target: str, server_info: ServerInfo,
+                            workload: dict[str, Any]) -> dict[str, Any]:
         """Run the point (or skip it) and build its record."""
         started_at = time.time()
         common = {"engine": engine, "target": target, "server_info": server_info, "run_id": self.run_id,
-                  "started_at": started_at, "server": server.name, "api": server.api}
+                  "started_at": started_at, "server": server.name, "api": server.api, "workload": workload}
         skips_key = (server.name, engine_key(engine))
         known = self._known_skips.get(skips_key, {}).get(spec.max_new_tokens)
         if known is not None and spec.context_tokens >= known.context_tokens:
@@ -279,6 +391,12 @@ class SweepRunner:
         self.progress.point_started(spec, engine)
         try:
             outcome = await runner.run(spec)
+        except NoTokenizeEndpoint as err:
+            raise SweepStopped(f"the prompts need a tokenizer and {target} has no tokenize endpoint ({err}): name "
+                               "one with workload.tokenizer (a tokenizer.json, a checkpoint folder, a .gguf file or "
+                               "\"smollm2\")") from err
+        except (NoVocabulary, DatasetError) as err:
+            raise SweepStopped(str(err)) from err
         except PointSkipped as skip:
             err = skip.error
             reason = err.reason or wire_code(err)
@@ -287,7 +405,8 @@ class SweepRunner:
             return records.skipped_record(spec, **common, reason=reason, reason_metadata=err.metadata,
                                           message=err.message, without_sending=False, sent=1, code=wire_code(err))
         return records.point_record(outcome, **common, warmup=self.config.workload.warmup_requests,
-                                    max_error_rate=self.config.policy.max_error_rate)
+                                    max_error_rate=self.config.policy.max_error_rate,
+                                    percentiles=self.config.workload.percentiles, slo=self.config.slo)
 
     def _record(self, record: dict[str, Any]) -> None:
         self.results.append_point(record)
@@ -306,6 +425,13 @@ class SweepRunner:
     def _key(self, server: ServerConfig, engine: dict[str, Any] | None, spec: PointSpec) -> PointKey:
         return PointKey(engine_key(engine), spec.context_tokens, spec.max_new_tokens, spec.concurrency,
                         spec.request_rate, spec.prefix_tokens, spec.prefix_groups, server=server.name)
+
+
+def _attainment(record: dict[str, Any]) -> float:
+    """A recorded probe's SLO attainment (0 for a skipped point, or one without it)."""
+    metrics = record.get("metrics") or {}
+    value = metrics.get("slo_attainment")
+    return float(value) if isinstance(value, (int, float)) else 0.0
 
 
 def _point_attributes(spec: PointSpec, server: ServerConfig, engine: dict[str, Any] | None,

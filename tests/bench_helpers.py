@@ -47,8 +47,10 @@ def sweep_raw(target: str | None = None, engine: dict[str, Any] | None = None, *
     raw: dict[str, Any] = {}
     if target is not None:
         raw["target"] = target
+    # token ids by default: these sweeps test what the client does with answers; text prompts and
+    # datasets have their own tests (test_bench_workload.py)
     raw["workload"] = {"context_tokens": [16], "max_new_tokens": [8], "concurrency": [1], "requests_per_point": 4,
-                       "warmup_requests": 0, **workload}
+                       "warmup_requests": 0, "prompt_format": "token_ids", **workload}
     raw["policy"] = {"health_wait_s": 5.0, "request_timeout_s": 30.0, **policy}
     if engine is not None:
         raw["engine"] = engine

@@ -1,7 +1,8 @@
-"""Metrics on hand-built timelines (vLLM bench-serve definitions, ITL per token)."""
+"""Metrics on hand-built timelines (vLLM bench-serve definitions: ITL per chunk, output tokens from usage)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -26,16 +27,54 @@ def test_single_token_messages() -> None:
     assert t.itls() == pytest.approx([0.1, 0.1, 0.1])
 
 
-def test_message_with_several_tokens_counts_one_gap_per_token() -> None:
-    # first message: 2 tokens at 0.1; second: 3 tokens at 0.4 -> 5 tokens, 4 gaps
+def test_message_with_several_tokens_is_one_itl_gap_and_tpot_is_per_token() -> None:
+    # first message: 2 tokens at 0.1; second: 3 tokens at 0.4 -> 5 tokens, one gap between chunks (vLLM)
     t = timeline(0.0, (0.1, 2), (0.4, 3))
-    assert t.output_tokens == 5
+    assert t.output_tokens == 5 and t.output_token_source == "stream"
     assert t.ttft == pytest.approx(0.1)
     assert t.e2el == pytest.approx(0.4)
     assert t.tpot == pytest.approx(0.3 / 4)
-    # the token sharing the first message arrived with it (gap 0); 0.3 s spread over 3 tokens
-    assert t.itls() == pytest.approx([0.0, 0.1, 0.1, 0.1])
+    assert t.itls() == pytest.approx([0.3])
     assert sum(t.itls()) == pytest.approx(t.e2el - t.ttft)
+
+
+def test_the_servers_usage_is_the_output_count() -> None:
+    # llama-server's reproducer: 16 tokens in 14 events (two events carried two tokens); usage says 16
+    arrivals = [(0.1 * (i + 1), 2 if i in (3, 9) else 1) for i in range(14)]
+    t = timeline(0.0, *arrivals, usage_completion_tokens=16)
+    assert (t.streamed_tokens, t.output_tokens, t.output_token_source) == (16, 16, "usage")
+    one_each = timeline(0.0, *[(0.1 * (i + 1), 1) for i in range(14)], usage_completion_tokens=16)
+    assert (one_each.streamed_tokens, one_each.output_tokens, one_each.usage_mismatch) == (14, 16, True)
+    assert one_each.tpot == pytest.approx((1.4 - 0.1) / 15)  # per token of the server's count
+    assert len(one_each.itls()) == 13
+    # no usage: the tokenizer's count of the text, else the stream's
+    counted = timeline(0.0, (0.1, 1), (0.2, 1), text_tokens=5)
+    assert (counted.output_tokens, counted.output_token_source) == (5, "tokenizer")
+    point = compute([t, one_each, counted, timeline(0.0, (0.1, 1))], duration_s=2.0)
+    assert point.total_output_tokens == 16 + 16 + 5 + 1
+    assert point.output_token_source == {"stream": 1, "tokenizer": 1, "usage": 2}
+
+
+def test_goodput_and_attainment() -> None:
+    @dataclasses.dataclass
+    class Slo:
+        ttft_ms: float | None = None
+        tpot_ms: float | None = None
+        e2el_ms: float | None = None
+
+    fast = timeline(0.0, (0.1, 1), (0.2, 1))  # ttft 100, tpot 100, e2el 200 ms
+    slow_start = timeline(0.0, (0.5, 1), (0.6, 1))  # ttft 500
+    one_token = timeline(0.0, (0.1, 1))  # tpot counts as 0
+    assert fast.meets(Slo(ttft_ms=100.0, tpot_ms=100.0, e2el_ms=200.0))  # the bounds are inclusive
+    assert not fast.meets(Slo(tpot_ms=99.0)) and not fast.meets(Slo(e2el_ms=199.0))
+    assert one_token.meets(Slo(tpot_ms=0.0)) and fast.meets(Slo())
+    m = compute([fast, slow_start, one_token], duration_s=2.0, slo=Slo(ttft_ms=200.0), measured=4)
+    assert (m.good_requests, m.request_goodput, m.slo_attainment) == (2, 1.0, 0.5)
+    plain = compute([fast], duration_s=1.0)
+    assert (plain.good_requests, plain.request_goodput, plain.slo_attainment) == (None, None, None)
+    assert compute([], duration_s=1.0, slo=Slo(ttft_ms=1.0), measured=0).slo_attainment == 0.0
+    with pytest.raises(ValueError, match="^measured must be >= the 1 successful requests, got 0$"):
+        compute([fast], duration_s=1.0, slo=Slo(ttft_ms=1.0), measured=0)
 
 
 def test_one_token_has_no_tpot_and_no_itl() -> None:
@@ -68,7 +107,9 @@ def test_summary_in_milliseconds_and_empty() -> None:
     assert s.median == pytest.approx(2.5)
     assert s.p90 == pytest.approx(float(np.percentile([1, 2, 3, 4], 90)))
     assert s.p99 == pytest.approx(float(np.percentile([1, 2, 3, 4], 99)))  # 3.97, not the maximum
-    assert Summary.of([]) == Summary(None, None, None, None)
+    empty = Summary.of([])
+    assert (empty.mean, empty.median, empty.p90, empty.p99, empty.std) == (None,) * 5
+    assert empty.percentiles == {"50": None, "90": None, "95": None, "99": None}
 
 
 def test_point_metrics_over_two_requests() -> None:
@@ -84,8 +125,8 @@ def test_point_metrics_over_two_requests() -> None:
     assert m.e2el_ms.median == pytest.approx((300 + 500) / 2)
     # TPOT per request: a (0.3-0.1)/2 = 0.1; b (0.5-0.2)/3 = 0.1
     assert m.tpot_ms.mean == pytest.approx(100.0)
-    # ITL per token: a [0.1, 0.1]; b [0, 0.15, 0.15]
-    assert m.itl_ms.mean == pytest.approx(1000 * (0.1 + 0.1 + 0 + 0.15 + 0.15) / 5)
+    # ITL per chunk: a [0.1, 0.1]; b [0.3]
+    assert m.itl_ms.mean == pytest.approx(1000 * (0.1 + 0.1 + 0.3) / 3)
     assert m.engine_queue_ms.mean == pytest.approx(20.0)
     assert m.engine_ttft_ms.median == pytest.approx(100.0)
 
@@ -106,10 +147,10 @@ def test_itl_gaps_sum_to_e2el_minus_ttft(messages: list[tuple[float, int]]) -> N
         arrivals.append((now, k))
     t = timeline(0.0, *arrivals)
     gaps = t.itls()
-    assert len(gaps) == t.output_tokens - 1
+    assert len(gaps) == len(messages) - 1  # one gap between consecutive chunks
     assert math.isclose(sum(gaps), t.e2el - t.ttft, rel_tol=1e-9, abs_tol=1e-12)
     if t.tpot is not None:
-        assert math.isclose(sum(gaps) / len(gaps), t.tpot, rel_tol=1e-9)
+        assert math.isclose(sum(gaps) / (t.output_tokens - 1), t.tpot, rel_tol=1e-9)
 
 
 def test_throughput_over_short_and_zero_durations() -> None:
@@ -127,8 +168,18 @@ def test_as_dict_is_plain_nested_data() -> None:
     m = compute([timeline(0.0, (0.1, 1), (0.3, 1))], duration_s=1.0).as_dict()
     assert m["completed"] == 1 and m["duration_s"] == 1.0
     assert m["ttft_ms"] == {"mean": pytest.approx(100.0), "median": pytest.approx(100.0), "p90": pytest.approx(100.0),
-                            "p99": pytest.approx(100.0)}
-    assert m["engine_queue_ms"] == {"mean": None, "median": None, "p90": None, "p99": None}
+                            "p99": pytest.approx(100.0), "std": 0.0,
+                            "percentiles": {"50": pytest.approx(100.0), "90": pytest.approx(100.0),
+                                            "95": pytest.approx(100.0), "99": pytest.approx(100.0)}}
+    assert m["engine_queue_ms"] == {"mean": None, "median": None, "p90": None, "p99": None, "std": None,
+                                    "percentiles": {"50": None, "90": None, "95": None, "99": None}}
+
+
+def test_configured_percentiles_and_std() -> None:
+    s = Summary.of([0.001, 0.002, 0.003, 0.004], percentiles=(25.0, 99.9))
+    assert s.percentiles == {"25": pytest.approx(1.75), "99.9": pytest.approx(float(np.percentile([1, 2, 3, 4], 99.9)))}
+    assert s.std == pytest.approx(float(np.std([1.0, 2.0, 3.0, 4.0])))
+    assert (s.median, s.p90, s.p99) == (pytest.approx(2.5), pytest.approx(3.7), pytest.approx(3.97))
 
 
 def test_cached_prompt_tokens_total_and_mean_per_completed_request() -> None:
