@@ -1,5 +1,7 @@
 """CLI: `python -m bench_client sweep [CONFIG.toml] --out DIR [--resume] [--detail]`,
-`python -m bench_client report DIR` and `python -m bench_client chat QUESTION [--target HOST:PORT]`.
+`python -m bench_client report DIR`, `python -m bench_client export DIR [--format json|csv] [--out FILE]`,
+`python -m bench_client compare RUN_A [RUN_B] [--plot FILE]` and
+`python -m bench_client chat QUESTION [--target HOST:PORT]`.
 Without CONFIG, the sweep runs the packaged demo (demo.toml).
 
 Exit codes of sweep: 0 every point recorded; 1 the sweep stopped (engine down, credentials;
@@ -7,6 +9,8 @@ resumable); 2 a usage or configuration error (the sweep TOML, --out, or an OTEL_
 any request; 130/143 interrupted by SIGINT/SIGTERM after draining (resumable).
 Exit codes of chat: 0 answered; 1 the engine refused or failed the question (its status, reason and
 message are printed) or a managed engine did not start; 2 a usage error; 130 interrupted.
+Exit codes of report, export and compare: 0 done; 2 a results directory cannot be read (or compare
+was given one run of a single server), or export's --out cannot be written.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from pathlib import Path
 import structlog
 
 from bench_client.chat import DEFAULT_MODEL, Question, ask_engine, logprob_lines
+from bench_client.compare import Comparison, compare, compare_servers, print_comparison, write_plot
 from bench_client.config import ConfigError, SweepConfig, load_config
 from bench_client.engine_process import EngineStartError
+from bench_client.export import FORMATS, export_run, load_run
 from bench_client.progress import SweepProgress
 from bench_client.report import print_table, write_plots
 from bench_client.results import ResultsDir, ResultsError, load_for_report
-from bench_client.sweep import SweepEnd, SweepResult, SweepRunner
+from bench_client.sweep import SweepEnd, SweepResult, SweepRunner, open_workload
 from shared.errors import EngineError, status_code_of
 from shared.logging import configure_logging
 from shared.tracing import configure_tracing, shutdown_tracing
@@ -72,6 +78,7 @@ def _load(path: Path | None) -> SweepConfig:
 def run_sweep(args: argparse.Namespace) -> int:
     try:
         config = _load(args.config)
+        workload = open_workload(config)
         _configure_tracing()
         results = ResultsDir.open(args.out, resume=args.resume, detail=args.detail)
     except (ConfigError, ResultsError) as err:
@@ -80,12 +87,18 @@ def run_sweep(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         with SweepProgress() as progress:
-            runner = SweepRunner(config, results, progress)
+            runner = SweepRunner(config, results, progress, workload)
             result, signum = asyncio.run(_run_with_signals(runner))
     finally:
         results.close()
         shutdown_tracing()  # exports the sweep's spans, on every way out (stopped, interrupted, a crash)
     print_table(results.records)
+    for server, base, found in runner.search_results:
+        over = config.search.over if config.search else ""
+        print(f"SLO search{f' of {server}' if server else ''} at {base.tag()}: largest {over} meeting the SLOs "
+              f"{found.best if found.best is not None else 'none (not even search.low)'}"
+              f"{f', missed at {found.first_miss:g}' if found.first_miss is not None else ''} "
+              f"({found.probes} probes)")
     plots = write_plots(results.records, args.out)
     log.info("report_written", results=str(args.out / "results.jsonl"), plots=[str(p) for p in plots])
     if result.end is SweepEnd.STOPPED:
@@ -134,6 +147,63 @@ def run_report(args: argparse.Namespace) -> int:
     print_table(records)
     for path in write_plots(records, args.dir):
         print(f"wrote {path}")
+    return EXIT_OK
+
+
+def run_export(args: argparse.Namespace) -> int:
+    try:
+        text = export_run(args.dir).render(args.format)
+    except ResultsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.out is None:
+        sys.stdout.write(text)
+        return EXIT_OK
+    try:
+        args.out.write_text(text, encoding="utf-8")
+    except OSError as err:
+        print(f"error: --out {str(args.out)!r} cannot be written: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {args.out}", file=sys.stderr)
+    return EXIT_OK
+
+
+_COMPARE_HELP = """Ratios B / A per point both runs share (same server, engine settings, dataset,
+endpoint, context, prefix, new tokens, concurrency, rate): TTFT, TPOT, ITL, E2EL medians, output tok/s,
+request goodput. With one run (a sweep of several [servers.NAME]), each server against the first
+server (the server of the run's first point). The plot goes to --plot, else beside RUN_B (or RUN):
+RUN_B_vs_RUN_A.png, RUN_servers.png."""
+
+
+def _compare_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("run_a", type=Path, metavar="RUN_A", help="the baseline results directory")
+    parser.add_argument("run_b", type=Path, nargs="?", default=None, metavar="RUN_B",
+                        help="the results directory compared with RUN_A; without it, RUN_A's servers are compared")
+    parser.add_argument("--plot", type=Path, default=None, metavar="FILE", help="where to write the PNG of the ratios")
+    return parser
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    try:
+        comparisons: list[Comparison]
+        if args.run_b is None:
+            comparisons = compare_servers(load_run(args.run_a), str(args.run_a))
+            default_plot = args.run_a.resolve().parent / f"{args.run_a.resolve().name}_servers.png"
+        else:
+            comparisons = [compare(load_run(args.run_a), load_run(args.run_b), str(args.run_a), str(args.run_b))]
+            b = args.run_b.resolve()
+            default_plot = b.parent / f"{b.name}_vs_{args.run_a.resolve().name}.png"
+    except (ResultsError, ValueError) as err:  # ValueError: one run of a single server
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    for comparison in comparisons:
+        print_comparison(comparison)
+    try:
+        plot = write_plot(comparisons, args.plot or default_plot)
+    except OSError as err:
+        print(f"error: --plot {str(args.plot or default_plot)!r} cannot be written: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {plot}" if plot is not None else "no plot: no shared point has a ratio")
     return EXIT_OK
 
 
@@ -216,9 +286,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     _sweep_parser(commands.add_parser("sweep", help="run a sweep"))
     report = commands.add_parser("report", help="print the table and write the plots of a results directory")
     report.add_argument("dir", type=Path)
+    export = commands.add_parser("export", help="write a results directory as vLLM bench serve JSON, or as CSV",
+                                 description="One entry per recorded point; the fields: bench_client/export.py.")
+    export.add_argument("dir", type=Path, metavar="RUN", help="a sweep's --out directory")
+    export.add_argument("--format", choices=FORMATS, default="json", help="json (default) or csv")
+    export.add_argument("--out", type=Path, default=None, metavar="FILE", help="write here instead of stdout")
+    _compare_parser(commands.add_parser("compare", help="ratios of two runs (or of one run's servers) per point",
+                                        description=_COMPARE_HELP))
     _chat_parser(commands.add_parser("chat", help="ask one question as chat messages; stream the answer"))
     args = parser.parse_args(argv)
-    commands_run = {"sweep": run_sweep, "report": run_report, "chat": run_chat}
+    commands_run = {"sweep": run_sweep, "report": run_report, "export": run_export, "compare": run_compare,
+                    "chat": run_chat}
     return commands_run[args.command](args)
 
 
