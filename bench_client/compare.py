@@ -12,7 +12,9 @@ throughput (worse) for the last two. A point skipped or failed on either side is
 its reason, and has no ratios; a ratio whose baseline is 0 or missing is "-". The points of only one
 side are listed below the table. Where a run records a point more than once, the last record counts.
 
-The plot: one panel per comparison, the ratios per point as bars around a line at 1.
+The plot: one panel per comparison, the ratios per point as bars around a line at 1 (a point skipped or
+failed on a side has no bars; its label says so). Written to --plot, else beside RUN_B as
+RUN_B_vs_RUN_A.png (one run: beside RUN as RUN_servers.png); none when no shared point has a ratio.
 """
 
 from __future__ import annotations
@@ -122,12 +124,24 @@ class Row:
 class Comparison:
     """B against A: the shared points, and those of one side only."""
 
-    a_name: str
+    a_name: str  # a run's path, or a server's name
     b_name: str
     rows: list[Row]
     only_a: list[PointId]
     only_b: list[PointId]
     show_server: bool  # False when the sides are servers of one run (the names say which)
+    a_tag: str = "A"  # how the table's notes name the sides
+    b_tag: str = "B"
+
+    @property
+    def title(self) -> str:
+        if (self.a_tag, self.b_tag) == (self.a_name, self.b_name):
+            return f"{self.b_name} / {self.a_name}"
+        return f"{self.b_tag} / {self.a_tag}  ({self.a_tag} = {self.a_name}, {self.b_tag} = {self.b_name})"
+
+    def side(self, tag: str) -> str:
+        name = self.a_name if tag == self.a_tag else self.b_name
+        return tag if tag == name else f"{tag} ({name})"
 
     def measures(self) -> list[Measure]:
         """The measures shown: goodput only where some shared point has it on both sides."""
@@ -140,7 +154,7 @@ def _by_point(records: Sequence[Mapping[str, Any]], *, server: bool) -> dict[Poi
 
 
 def compare(a_records: Sequence[Mapping[str, Any]], b_records: Sequence[Mapping[str, Any]], a_name: str,
-            b_name: str, *, show_server: bool = True) -> Comparison:
+            b_name: str, *, show_server: bool = True, tags: tuple[str, str] = ("A", "B")) -> Comparison:
     """B / A at each point both record. Records whose fields are missing or mangled raise ResultsError."""
     try:
         a = _by_point(a_records, server=show_server)
@@ -150,7 +164,7 @@ def compare(a_records: Sequence[Mapping[str, Any]], b_records: Sequence[Mapping[
                            f"({type(err).__name__}: {err})") from err
     shared = sorted(a.keys() & b.keys())
     return Comparison(a_name, b_name, [Row(p, a[p], b[p]) for p in shared], sorted(a.keys() - b.keys()),
-                      sorted(b.keys() - a.keys()), show_server)
+                      sorted(b.keys() - a.keys()), show_server, *tags)
 
 
 def compare_servers(records: Sequence[Mapping[str, Any]], run_name: str) -> list[Comparison]:
@@ -165,7 +179,7 @@ def compare_servers(records: Sequence[Mapping[str, Any]], run_name: str) -> list
     def of(server: str) -> list[Mapping[str, Any]]:
         return [r for r in records if with_defaults(r)["server"] == server]
 
-    return [compare(of(base), of(other), base, other, show_server=False) for other in others]
+    return [compare(of(base), of(other), base, other, show_server=False, tags=(base, other)) for other in others]
 
 
 def _ratio_cell(ratio: float | None, measure: Measure) -> str:
@@ -179,11 +193,12 @@ def _ratio_cell(ratio: float | None, measure: Measure) -> str:
 
 def build_table(comparison: Comparison) -> Table:
     c = comparison
-    table = Table(title=f"{c.b_name} / {c.a_name}")
+    table = Table(title=c.title)
     table.caption = ("ratio B / A at each shared point (p50 = median); green: B better by over 5%, red: worse; "
                      "'-': no ratio (a side skipped or failed the point, or a value is missing or 0 in A)")
     columns = ["server", "engine", "workload", "ctx", "prefix", "new", "conc", "rate"]
-    first = 0 if c.show_server else 1
+    named = any(p.server for p in (*(row.point for row in c.rows), *c.only_a, *c.only_b))
+    first = 0 if c.show_server and named else 1  # no server column for runs of one unnamed server
     measures = c.measures()
     for name in columns[first:]:
         table.add_column(name, justify="left" if name in ("server", "engine", "workload") else "right")
@@ -191,7 +206,7 @@ def build_table(comparison: Comparison) -> Table:
         table.add_column(measure.name, justify="right")
     table.add_column("note", justify="left", overflow="fold")
     for row in c.rows:
-        note = row.note(c.a_name, c.b_name)
+        note = row.note(c.a_tag, c.b_tag)
         ratios = ["-" if note else _ratio_cell(row.ratio(m), m) for m in measures]
         table.add_row(*row.point.cells()[first:], *ratios, f"[yellow]{note}[/]" if note else "")
     return table
@@ -201,9 +216,9 @@ def print_comparison(comparison: Comparison, console: Console | None = None) -> 
     """The table, then the points of one side only (counted and named)."""
     console = console or Console(width=220)
     console.print(build_table(comparison))
-    for name, points in ((comparison.a_name, comparison.only_a), (comparison.b_name, comparison.only_b)):
+    for tag, points in ((comparison.a_tag, comparison.only_a), (comparison.b_tag, comparison.only_b)):
         if points:
-            console.print(f"{len(points)} point(s) only in {name}:", markup=False)
+            console.print(f"{len(points)} point(s) only in {comparison.side(tag)}:", markup=False)
             for point in points:
                 console.print(f"  {point.label()}", markup=False, highlight=False)
     if not comparison.rows:
@@ -215,7 +230,7 @@ def write_plot(comparisons: Sequence[Comparison], path: Path) -> Path | None:
     if not any(row.ratio(m) is not None for c in comparisons for row in c.rows for m in MEASURES):
         return None
     widest = max(len(c.rows) for c in comparisons)
-    fig, axes = plt.subplots(len(comparisons), 1, figsize=(max(6.0, 0.9 * widest + 2), 4.2 * len(comparisons)),
+    fig, axes = plt.subplots(len(comparisons), 1, figsize=(max(7.0, 1.2 * widest + 3), 4.5 * len(comparisons)),
                              squeeze=False)
     for ax, c in zip(axes[:, 0], comparisons, strict=True):
         measures = c.measures()
@@ -225,27 +240,29 @@ def write_plot(comparisons: Sequence[Comparison], path: Path) -> Path | None:
             heights = [row.ratio(measure) for row in c.rows]
             ax.bar([x for x, h in zip(xs, heights, strict=True) if h is not None],
                    [h for h in heights if h is not None], width=width, color=f"C{i}", label=measure.name)
-        for x, row in enumerate(c.rows):
-            note = row.note(c.a_name, c.b_name)
-            if note:
-                ax.text(x, 1.0, note, rotation=90, ha="center", va="bottom", fontsize="x-small", color="gray")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(c.rows)))
-        ax.set_xticklabels([_tick(row.point, c.show_server) for row in c.rows], rotation=30, ha="right",
-                           fontsize="x-small")
-        ax.set_ylabel("ratio B / A")
-        ax.set_title(f"{c.b_name} / {c.a_name}", fontsize="small")
+        ax.set_xticklabels([_tick(row, c) for row in c.rows], rotation=30, ha="right", fontsize="x-small")
+        ax.set_ylabel(f"ratio {c.b_tag} / {c.a_tag}")
+        tallest = max((row.ratio(m) or 0.0 for row in c.rows for m in measures), default=1.0)
+        ax.set_ylim(0, max(tallest, 1.0) * 1.1)
+        ax.set_title(c.title, fontsize="small")
         ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize="x-small", ncol=len(measures))
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-def _tick(point: PointId, show_server: bool) -> str:
+def _tick(row: Row, comparison: Comparison) -> str:
+    """The point's parameters; a point skipped or failed on a side says so (it has no bars)."""
+    point = row.point
     server, engine, workload, ctx, prefix, new, conc, rate = point.cells()
-    head = f"{server} " if show_server and server else ""
+    head = f"{server} " if comparison.show_server and server else ""
     if (point.dataset, point.endpoint) != ("random", "completions"):
         head += f"{workload} "
-    return f"{head}{engine} c{ctx} p{prefix} n{new} x{conc} r{rate}"
+    statuses = [f"{tag} {r['status']}" for tag, r in ((comparison.a_tag, row.a), (comparison.b_tag, row.b))
+                if r["status"] != "ok"]
+    tail = f" ({', '.join(statuses)})" if statuses else ""
+    return f"{head}{engine} c{ctx} p{prefix} n{new} x{conc} r{rate}{tail}"
