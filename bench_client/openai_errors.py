@@ -25,10 +25,18 @@ and `bench_client.policy` decides on the class (or, for TransportError, on the c
 | any other 4xx                    | TransportError          | FAILED_PRECONDITION  | COUNT_FAILED                   |
 | any other status                 | TransportError          | UNKNOWN              | COUNT_FAILED                   |
 | error frame in a 200 stream      | StreamError             | its code, as above   | COUNT_FAILED                   |
+| TGI's refusal as a first frame   | as for its 422 / 429    | as for 422 / 429     | SKIP_POINT / RETRY_AFTER_BACKOFF |
 | refused, reset, cut              | EngineUnavailable       | UNAVAILABLE          | WAIT_FOR_HEALTH_THEN_RETRY     |
 
 A StreamError's http_status is the frame's code (None when it has none); EngineUnavailable has none.
 A mid-stream failure is COUNT_FAILED whatever its class (STOP_SWEEP for credentials).
+
+TGI refuses a streamed request inside its stream: a 200 answer whose first event is
+`{"error": {"message": "Input validation error: `top_p` must be > 0.0 and < 1.0", "http_status_code":
+422}}` (router/src/infer/mod.rs, `into_openai_event`: 422 whatever the error, so its wording tells
+them apart), then `[DONE]`. `from_first_error_frame` classifies such a frame as TGI's status for the
+same error outside a stream (router/src/server.rs: ValidationError 422, Overloaded 429), so that a
+refused top_p or context skips the point as a 422 does.
 
 The context wordings recognised (the numbers are read from them into `promptTokens`,
 `maxContextTokens` and, where given, `maxNewTokens`):
@@ -200,6 +208,39 @@ def from_error_frame(payload: Mapping[str, Any]) -> StreamError:
     err.http_status = info.code
     if info.code is not None:
         err.status_code = code_for_status(info.code)  # type: ignore[attr-defined]
+    return err
+
+
+# TGI's InferError kinds that decide otherwise than a failed stream, by `error_type` (its
+# ErrorResponse) or by the wording its OpenAI-shaped frame carries, and their status outside a stream.
+_TGI_FRAME_STATUS: Mapping[str, int] = {"validation": 422, "overloaded": 429}
+_TGI_FRAME_WORDINGS: tuple[tuple[str, str], ...] = (("Input validation error: ", "validation"),
+                                                     ("Model is overloaded", "overloaded"))
+
+
+def from_first_error_frame(payload: Mapping[str, Any]) -> EngineError:
+    """The exception for an error frame that came before any token of a 200 stream: TGI's refusals
+    (`error_type` "validation" / "overloaded", or its OpenAI-shaped frame `{"error": {"message",
+    "http_status_code"}}` worded "Input validation error: ..." / "Model is overloaded") as
+    `from_http_response` gives them for TGI's status outside a stream (422, 429); any other frame is
+    `from_error_frame`'s StreamError."""
+    info = read_error_body(payload)
+    kind = info.type if info.type in _TGI_FRAME_STATUS else None
+    error = payload.get("error")
+    if kind is None and isinstance(error, Mapping) and "http_status_code" in error:
+        kind = next((k for prefix, k in _TGI_FRAME_WORDINGS if info.message.startswith(prefix)), None)
+    if kind is None:
+        return from_error_frame(payload)
+    return from_http_response(_TGI_FRAME_STATUS[kind], {}, json.dumps({"error": info.message, "error_type": kind}))
+
+
+def malformed_answer(url: str, body: bytes, why: str) -> TransportError:
+    """A TransportError (UNKNOWN: the request failed, the point goes on) for a 200 answer that is
+    not what the route answers (not JSON, another shape), naming the URL and the body (cut)."""
+    text = body.decode("utf-8", errors="replace")
+    err = TransportError(f"{url}: unreadable answer ({why}): {_cut(text, 200)!r}", metadata={"httpStatus": 200})
+    err.http_status = 200
+    err.status_code = _C.UNKNOWN  # type: ignore[attr-defined]
     return err
 
 

@@ -1,20 +1,31 @@
 """The OpenAI-compatible HTTP adapter: the only module of the client that speaks HTTP.
 
 It serves the `ServerClient` protocol of `bench_client.server_api` for one base URL of
-llama-server, vLLM, SGLang or TGI: POST /v1/completions (a prompt of token ids) and
-/v1/chat/completions, streamed as server-sent events (`bench_client.sse`), GET /health,
-and GET /props, /v1/models, /info, /version for what the server says about itself. Every failure
-becomes the domain exception that `bench_client.openai_errors` chooses, so the policy table decides
-as it does for gRPC.
+llama-server, vLLM, SGLang or TGI. What it sends:
+
+- `decode` of a DecodeSpec: POST /v1/completions with `"prompt"` the spec's token ids (a list of
+  ints: llama-server, vLLM, SGLang) or its text (a string: every server, TGI included, whose
+  completions take strings only), or POST /v1/chat/completions with its `messages` (the server
+  renders its chat template); both with the same sampling fields (`completion_body`, `chat_body`):
+  max_tokens, temperature, top_p, top_k where > 0, seed, ignore_eos where set, `stream` and
+  `stream_options.include_usage`. `chat` (the preview) sends its ChatSpec through `chat_body` too;
+- `tokenize`: POST /tokenize with one body that each server reads its own field of (`content`:
+  llama-server, which adds no BOS by default; `prompt` with `add_special_tokens: false`: vLLM;
+  `inputs`: TGI, which adds its tokenizer's special tokens: those with an empty span are dropped);
+- GET /health, and GET /props, /v1/models, /info, /version for what the server says about itself.
+
+Every failure becomes the domain exception that `bench_client.openai_errors` chooses, so the policy
+table decides as it does for gRPC.
 
 A streamed answer becomes Chunks:
 
-- one Chunk per event that carries a choice: `choices[0].text` (chat: `delta.content`), received_at
-  when its bytes arrived, num_tokens the tokens it carried: the length of its `logprobs` when it has
-  them, else 1 (the servers send one event per sampled token; llama-server also sends one, with
-  text "", for a token it holds back behind a partial stop word, and none for a token that ends
-  inside a UTF-8 character, which it sends with the next one), and 0 for the event that only
-  closes the choice (a `finish_reason` with no text: llama-server's last event);
+- one Chunk per event that carries a choice: `choices[0].text` (chat: `delta.content`, so that TTFT
+  is the first content delta's), received_at when its bytes arrived, num_tokens the tokens it
+  carried: the length of its `logprobs` when it has them, else 1 (the servers send one event per
+  sampled token; llama-server also sends one, with text "", for a token it holds back behind a
+  partial stop word, and none for a token that ends inside a UTF-8 character, which it sends with
+  the next one), and 0 for the event that only closes the choice (a `finish_reason` with no text:
+  llama-server's last event);
 - the last Chunk carries the finish_reason ("length" -> LENGTH, "stop" -> EOS, or STOP where the
   server says a stop string matched: vLLM's `stop_reason`, SGLang's `matched_stop`) merged with
   the usage and `timings` that came with it or after it (OpenAI's usage-only event, `choices: []`):
@@ -22,14 +33,27 @@ A streamed answer becomes Chunks:
   with the tokens counted), cached_prompt_tokens (`usage.prompt_tokens_details.cached_tokens`, or
   llama-server's `timings.cache_n`) and server_timings;
 - `data: [DONE]` ends the stream. An error frame (`data: {"error": ...}`) raises StreamError, after
-  the chunks before it; an event whose data is not a JSON object raises StreamError (http_status 200);
-  a stream that ends without [DONE] and without finish_reason just ends (the point runner counts it).
+  the chunks before it (one that is the answer's first event, before any token, is classified by
+  `from_first_error_frame`: TGI refuses a streamed request so, top_p 1.0 included); an event whose
+  data is not a JSON object raises StreamError (http_status 200); a stream that ends without [DONE]
+  and without finish_reason just ends (the point runner counts it).
 
-The session: one aiohttp.ClientSession, its pool sized by `concurrency` (`set_concurrency` grows it
-for the next point: a pool smaller than the point's concurrency would queue requests in the
-client and inflate TTFT). The bearer token goes on every request, health included. Each request
-runs in a CLIENT span (a child of the current one, the point's) whose W3C traceparent travels in
-the request's headers.
+The connections: one aiohttp.ClientSession, its pool sized by `concurrency` (`set_concurrency`
+grows it for the next point: a pool smaller than the point's concurrency would queue requests in
+the client and inflate TTFT). An idle pooled connection is reused for KEEPALIVE_TIMEOUT_S at most,
+less than the servers keep one open (cpp-httplib, llama-server's HTTP library, and uvicorn, vLLM's
+and SGLang's, close an idle keep-alive connection after 5 s, silently). A POST that went out on a
+reused pooled connection which turns out to be dead before any answer came (the server had closed
+it: aiohttp's ClientOSError, "Connection reset by peer" or "Can not write request body", or
+ServerDisconnectedError, before the status line) is sent once more, on a fresh connection, without
+raising: the connection was the client's business, the request was never the server's, so no retry
+is counted and the policy is not asked. `stale_connection_resends` counts those resends (and a
+`stale_connection_resent` debug event names each). A failure to connect, a timeout, an HTTP error
+status, a failure on a fresh connection and a failed resend raise as any failure does.
+
+The bearer token goes on every request, health included. Each streamed request runs in a CLIENT
+span (a child of the current one, the point's) whose W3C traceparent travels in the request's
+headers; a resend is on the same span (`http.request.resend_count`).
 """
 
 from __future__ import annotations
@@ -43,10 +67,12 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+import structlog
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.util.types import AttributeValue
@@ -54,20 +80,42 @@ from opentelemetry.util.types import AttributeValue
 from bench_client.credentials import ChannelSecurity, TlsConfig
 from bench_client.openai_errors import (
     from_error_frame,
+    from_first_error_frame,
     from_http_response,
     json_int,
     json_str,
+    malformed_answer,
     malformed_event,
     transport_failure,
 )
-from bench_client.server_api import OPENAI, ChatSpec, Chunk, DecodeSpec, DecodeStream, ServerInfo, poll_until_serving
+from bench_client.server_api import (
+    OPENAI,
+    ChatSpec,
+    Chunk,
+    DecodeSpec,
+    DecodeStream,
+    NoTokenizeEndpoint,
+    ServerInfo,
+    poll_until_serving,
+)
 from bench_client.sse import Event, SSEParser
 from shared.errors import ClientTimeout, EngineError, EngineUnavailable, QueueFull, StreamError, status_code_of
 
 tracer = trace.get_tracer("bench_client")
+log = structlog.get_logger()
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+TOKENIZE = "/tokenize"
+# How long an idle pooled connection may be reused: under the 5 s after which cpp-httplib
+# (llama-server: CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND) and uvicorn (vLLM, SGLang: timeout_keep_alive)
+# close it, with room for a busy client loop that notices a response's end late.
+KEEPALIVE_TIMEOUT_S = 3.0
+# What aiohttp raises for a dead pooled connection before any status line: ClientOSError (ECONNRESET
+# on reading, "Can not write request body" when the transport closed under the body),
+# ServerDisconnectedError (EOF before the status line), ClientConnectionResetError (the headers met a
+# closing transport). ClientConnectorError, a ClientOSError too, is a failure to connect: never stale.
+_STALE = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError)
 _INFO_ROUTES = {"props": "/props", "models": "/v1/models", "info": "/info", "version": "/version"}
 _NOT_SERVED = frozenset({404, 405, 501})  # a route this server does not have
 
@@ -99,7 +147,9 @@ class OpenAIClient:
         self._pool: _Pool | None = None
         self._retired: set[_Pool] = set()
         self._closing: set[asyncio.Task[None]] = set()
+        self._fresh: aiohttp.ClientSession | None = None  # for resends: a new connection each request
         self._closed = False
+        self.stale_connection_resends = 0  # requests sent again after a dead pooled connection
 
     # -- the session ---------------------------------------------------------------------------
 
@@ -117,9 +167,18 @@ class OpenAIClient:
         if self._closed:
             raise RuntimeError(f"the client of {self.base_url} is closed")
         if self._pool is None:
-            connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=0)
-            self._pool = _Pool(aiohttp.ClientSession(connector=connector, headers=self._headers))
+            connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=0, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+            reuse = aiohttp.TraceConfig()
+            reuse.on_connection_reuseconn.append(_mark_reused)
+            self._pool = _Pool(aiohttp.ClientSession(connector=connector, headers=self._headers, trace_configs=[reuse]))
         return self._pool
+
+    def _fresh_session(self) -> aiohttp.ClientSession:
+        """The session of resends: each request on a new connection, closed after it."""
+        if self._fresh is None:
+            self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0),
+                                                headers=self._headers)
+        return self._fresh
 
     @contextlib.contextmanager
     def _using(self) -> Iterator[_Pool]:
@@ -158,6 +217,9 @@ class OpenAIClient:
         self._pool, self._retired = None, set()
         for pool in pools:
             await pool.session.close()
+        if self._fresh is not None:
+            await self._fresh.close()
+            self._fresh = None
         if self._closing:
             await asyncio.gather(*self._closing)
 
@@ -188,14 +250,15 @@ class OpenAIClient:
         """What the server reports: llama-server's /props and /v1/models (`meta.n_vocab`), vLLM's
         and SGLang's /v1/models (`max_model_len`) and /version, TGI's /info. A route the server does
         not have is passed over; another failure raises its EngineError (a 503 while the model
-        loads: EngineUnavailable, so that the sweep waits for health). Raises ValueError when
-        neither the server nor the constructor gives the vocabulary size."""
+        loads: EngineUnavailable, so that the sweep waits for health). `vocab_size` is the server's
+        (llama-server's `meta.n_vocab`), else the constructor's, else 0 (not reported: vLLM, SGLang
+        and TGI do not say)."""
         names = list(_INFO_ROUTES)
         answers = await asyncio.gather(*(self._get_json(_INFO_ROUTES[n], timeout) for n in names))
         reported = {name: body for name, body in zip(names, answers, strict=True) if body is not None}
         if "props" not in reported and "models" not in reported and "info" not in reported:
             raise _not_an_openai_server(self.base_url)
-        info = server_info_from(reported, model=self._model, vocab_size=self._vocab_size, url=self.base_url)
+        info = server_info_from(reported, model=self._model, vocab_size=self._vocab_size)
         if self._model is None and info.model:
             self._model = info.model
         return info
@@ -226,40 +289,78 @@ class OpenAIClient:
 
     def decode(self, spec: DecodeSpec, *, timeout: float,
                attributes: Mapping[str, AttributeValue] | None = None) -> DecodeStream:
-        """Stream one completion of `spec.prompt_token_ids` (POST /v1/completions) inside its CLIENT
-        span; a failed call raises its EngineError."""
-        body = completion_body(spec, self._model)
-        return self._stream(COMPLETIONS, body, timeout, chat=False, attributes={
-            "gen_ai.operation.name": "text_completion", "gen_ai.request.max_tokens": spec.max_new_tokens,
-            "gen_ai.usage.input_tokens": len(spec.prompt_token_ids), "bench.request.id": spec.request_id,
-            **(attributes or {})})
+        """Stream one answer to `spec` inside its CLIENT span: its token ids or text completed (POST
+        /v1/completions), its messages answered (POST /v1/chat/completions); a failed call raises
+        its EngineError."""
+        span_attributes: dict[str, AttributeValue] = {"gen_ai.request.max_tokens": spec.max_new_tokens,
+                                                      "bench.request.id": spec.request_id}
+        if spec.prompt_token_ids:
+            span_attributes["gen_ai.usage.input_tokens"] = len(spec.prompt_token_ids)
+        if spec.messages:
+            return self._stream(CHAT_COMPLETIONS, chat_body(spec, self._model), timeout, chat=True, attributes={
+                "gen_ai.operation.name": "chat", **span_attributes, **(attributes or {})})
+        return self._stream(COMPLETIONS, completion_body(spec, self._model), timeout, chat=False, attributes={
+            "gen_ai.operation.name": "text_completion", **span_attributes, **(attributes or {})})
 
     def chat(self, spec: ChatSpec, *, timeout: float) -> DecodeStream:
         """Stream the answer to chat messages (POST /v1/chat/completions: the server renders its
         chat template), as `decode` streams."""
-        body: dict[str, Any] = {
-            "messages": [{"role": m.role, "content": m.content} for m in spec.messages],
-            "max_tokens": spec.max_new_tokens, "temperature": spec.temperature, "seed": spec.seed,
-            "stream": True, "stream_options": {"include_usage": True},
-        }
-        if spec.stop:
-            body["stop"] = list(spec.stop)
-        if spec.json_schema is not None:  # OpenAI's structured outputs, as vLLM and llama-server take them
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": "answer", "schema": json.loads(spec.json_schema)}}
-        if spec.top_logprobs:
-            body.update(logprobs=True, top_logprobs=spec.top_logprobs)
-        if self._model:
-            body = {"model": self._model, **body}
-        return self._stream(CHAT_COMPLETIONS, body, timeout, chat=True, attributes={
+        return self._stream(CHAT_COMPLETIONS, chat_body(spec, self._model), timeout, chat=True, attributes={
             "gen_ai.operation.name": "chat", "gen_ai.request.max_tokens": spec.max_new_tokens,
             "bench.request.id": spec.request_id})
+
+    async def tokenize(self, text: str, timeout: float = 10.0) -> list[int]:
+        """The ids the server's tokenizer gives `text` alone, without the special tokens it would
+        add to a prompt (POST /tokenize, `tokenize_body`; the answer read by `token_ids_from`).
+        Raises NoTokenizeEndpoint, naming the URL, where the server has no such route (404, 405,
+        501); another failure raises its EngineError."""
+        url = self.base_url + TOKENIZE
+        with self._using() as pool:
+            try:
+                response = await self._post(pool, url, tokenize_body(text, self._model), {}, timeout)
+                async with response:
+                    payload = await response.read()
+                    if response.status in _NOT_SERVED:
+                        raise NoTokenizeEndpoint(f"{url} answered HTTP {response.status}: the server has no "
+                                                 "tokenize endpoint")
+                    if response.status != 200:
+                        raise from_http_response(response.status, response.headers, payload)
+            except TimeoutError as exc:
+                raise _timeout(url, timeout) from exc
+            except (aiohttp.ClientError, OSError) as exc:
+                raise transport_failure(url, exc) from exc
+        return token_ids_from(payload, url)
 
     def _stream(self, route: str, body: Mapping[str, Any], timeout: float, *, chat: bool,
                 attributes: Mapping[str, AttributeValue]) -> DecodeStream:
         stream = DecodeStream()
         stream._chunks = self._chunks(route, body, timeout, chat, attributes, stream)
         return stream
+
+    async def _post(self, pool: _Pool, url: str, body: Mapping[str, Any], headers: Mapping[str, str],
+                    timeout: float, span: trace.Span | None = None) -> aiohttp.ClientResponse:
+        """The response to POST `body` (its status line and headers read). A request that went out
+        on a reused pooled connection that turns out dead before any status line arrived (_STALE)
+        is sent once more, on a fresh connection, within what is left of `timeout`; whatever that
+        raises, and any other failure, is raised."""
+        started = time.monotonic()
+        attempt = _Attempt()
+        try:
+            return await pool.session.post(url, json=body, headers=headers, trace_request_ctx=attempt,
+                                           **self._request_options(timeout))
+        except _STALE as exc:
+            if not attempt.reused or isinstance(exc, aiohttp.ClientConnectorError):
+                raise
+            failure = f"{type(exc).__name__}: {exc}"
+        left = timeout - (time.monotonic() - started)
+        if left <= 0:
+            raise TimeoutError
+        self.stale_connection_resends += 1
+        log.debug("stale_connection_resent", url=url, error=failure)
+        if span is not None:
+            span.set_attribute("http.request.resend_count", 1)
+            span.add_event("stale_connection_resent", {"error.message": failure})
+        return await self._fresh_session().post(url, json=body, headers=headers, **self._request_options(left))
 
     async def _chunks(self, route: str, body: Mapping[str, Any], timeout: float, chat: bool,
                       attributes: Mapping[str, AttributeValue], stream: DecodeStream) -> AsyncIterator[Chunk]:
@@ -279,8 +380,8 @@ class OpenAIClient:
         events = 0
         try:
             try:
-                async with pool.session.post(url, json=body, headers=headers,
-                                             **self._request_options(timeout)) as response:
+                response = await self._post(pool, url, body, headers, timeout, span)
+                async with response:
                     stream.replica = self.base_url
                     span.set_attribute("http.response.status_code", response.status)
                     if response.status != 200:
@@ -336,6 +437,19 @@ class _Pool:
     retired: bool = False
 
 
+@dataclass(eq=False)
+class _Attempt:
+    """One request's trace context: whether aiohttp gave it a pooled connection."""
+
+    reused: bool = False
+
+
+async def _mark_reused(session: aiohttp.ClientSession, context: SimpleNamespace,
+                       params: aiohttp.TraceConnectionReuseconnParams) -> None:
+    if isinstance(context.trace_request_ctx, _Attempt):
+        context.trace_request_ctx.reused = True
+
+
 class _StreamReader:
     """The events of one answer in, Chunks out (pure): holds the chunk that closes the choice until
     the usage after it (or [DONE], or the end) arrives, so that the last Chunk carries both."""
@@ -365,6 +479,8 @@ class _StreamReader:
         if not isinstance(message, Mapping):
             raise malformed_event(event.data, "data is not a JSON object")
         if "error" in message or event.event == "error":
+            if self.output_tokens == 0 and self._final is None:  # before any token: TGI's refusals
+                raise from_first_error_frame(message)
             raise from_error_frame(message)
         if isinstance(message.get("usage"), Mapping):
             self._usage = message["usage"]
@@ -464,24 +580,97 @@ def finish_reason(choice: Mapping[str, Any]) -> str | None:
 
 
 def completion_body(spec: DecodeSpec, model: str | None) -> dict[str, Any]:
-    """The JSON of POST /v1/completions for one DecodeSpec (the prompt as token ids)."""
-    body: dict[str, Any] = {}
-    if model:
-        body["model"] = model
-    body.update({
-        "prompt": list(spec.prompt_token_ids), "max_tokens": spec.max_new_tokens,
-        "stream": True, "stream_options": {"include_usage": True},
-        "temperature": spec.temperature, "top_p": spec.top_p, "seed": spec.seed,
-    })
-    if spec.top_k > 0:
-        body["top_k"] = spec.top_k
-    if spec.ignore_eos:
-        body["ignore_eos"] = True
+    """The JSON of POST /v1/completions for one DecodeSpec: its prompt as token ids (a list of ints)
+    or as text (a string), with its sampling fields."""
+    body = _model_field(model)
+    body["prompt"] = list(spec.prompt_token_ids) if spec.prompt_token_ids else spec.prompt_text
+    body.update(_sampling(spec))
     return body
 
 
-def server_info_from(reported: Mapping[str, Any], *, model: str | None, vocab_size: int | None,
-                     url: str) -> ServerInfo:
+def chat_body(spec: DecodeSpec | ChatSpec, model: str | None) -> dict[str, Any]:
+    """The JSON of POST /v1/chat/completions: a DecodeSpec's messages with the sampling fields that
+    `completion_body` sends, or a ChatSpec's (the preview: its temperature, and its stop strings, JSON
+    schema and logprobs where it asks for them)."""
+    body = _model_field(model)
+    body["messages"] = [{"role": m.role, "content": m.content} for m in spec.messages]
+    if isinstance(spec, DecodeSpec):
+        body.update(_sampling(spec))
+        return body
+    body.update({"max_tokens": spec.max_new_tokens, "temperature": spec.temperature, "seed": spec.seed,
+                 "stream": True, "stream_options": {"include_usage": True}})
+    if spec.stop:
+        body["stop"] = list(spec.stop)
+    if spec.json_schema is not None:  # OpenAI's structured outputs, as vLLM and llama-server take them
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "answer", "schema": json.loads(spec.json_schema)}}
+    if spec.top_logprobs:
+        body.update(logprobs=True, top_logprobs=spec.top_logprobs)
+    return body
+
+
+def _model_field(model: str | None) -> dict[str, Any]:
+    return {"model": model} if model else {}
+
+
+def _sampling(spec: DecodeSpec) -> dict[str, Any]:
+    """A DecodeSpec's length, sampling and streaming fields, as both routes take them."""
+    fields: dict[str, Any] = {
+        "max_tokens": spec.max_new_tokens, "stream": True, "stream_options": {"include_usage": True},
+        "temperature": spec.temperature, "top_p": spec.top_p, "seed": spec.seed,
+    }
+    if spec.top_k > 0:
+        fields["top_k"] = spec.top_k
+    if spec.ignore_eos:
+        fields["ignore_eos"] = True
+    return fields
+
+
+def tokenize_body(text: str, model: str | None) -> dict[str, Any]:
+    """The JSON of POST /tokenize that each server reads its own fields of and ignores the others':
+    llama-server `content` (no BOS: `add_special` is false by default), vLLM `prompt` and
+    `add_special_tokens` (false: no BOS) and `model` (its pydantic models allow extra fields), TGI
+    `inputs` (a GenerateRequest; it always adds its tokenizer's special tokens: `token_ids_from`
+    drops them)."""
+    body = _model_field(model)
+    body.update({"content": text, "prompt": text, "inputs": text, "add_special_tokens": False})
+    return body
+
+
+def token_ids_from(body: bytes, url: str) -> list[int]:
+    """The ids of a 200 answer of POST /tokenize: `{"tokens": [ids]}` (llama-server; vLLM adds
+    `count` and `max_model_len`; llama-server's `with_pieces` form `{"tokens": [{"id", "piece"}]}`),
+    or TGI's list of `{"id", "text", "start", "stop"}`, less the special tokens its tokenizer added
+    at either end (an empty span: start == stop, the BOS or EOS that no character of the text made).
+    Raises TransportError (`malformed_answer`) for any other shape."""
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        raise malformed_answer(url, body, "not JSON") from None
+    if isinstance(answer, list):  # TGI
+        spans = [item for item in answer if isinstance(item, Mapping)]
+        if len(spans) != len(answer) or not all(_is_id(t.get("id")) for t in spans):
+            raise malformed_answer(url, body, "a list of tokens without ids")
+        start, stop = 0, len(spans)
+        while start < stop and spans[start].get("start") == spans[start].get("stop"):
+            start += 1
+        while stop > start and spans[stop - 1].get("start") == spans[stop - 1].get("stop"):
+            stop -= 1
+        return [t["id"] for t in spans[start:stop]]
+    tokens = answer.get("tokens") if isinstance(answer, Mapping) else None
+    if not isinstance(tokens, list):
+        raise malformed_answer(url, body, "no tokens")
+    ids = [t.get("id") if isinstance(t, Mapping) else t for t in tokens]
+    if not all(_is_id(i) for i in ids):
+        raise malformed_answer(url, body, "a token that is not an id")
+    return ids
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def server_info_from(reported: Mapping[str, Any], *, model: str | None, vocab_size: int | None) -> ServerInfo:
     """The ServerInfo of the answers of /props, /v1/models, /info and /version (those that came)."""
     props = _mapping(reported.get("props"))
     models = _mapping(reported.get("models"))
@@ -495,10 +684,7 @@ def server_info_from(reported: Mapping[str, Any], *, model: str | None, vocab_si
             or Path(json_str(props.get("model_path")) or "").name)
     context = (json_int(settings.get("n_ctx")) or json_int(meta.get("n_ctx")) or json_int(first.get("max_model_len"))
                or json_int(info.get("max_total_tokens")) or 0)
-    vocab = json_int(meta.get("n_vocab")) or vocab_size
-    if not vocab:
-        raise ValueError(f"vocab_size: the server at {url} does not report its vocabulary size; set vocab_size "
-                         "in the server's table")
+    vocab = json_int(meta.get("n_vocab")) or vocab_size or 0  # 0: not reported (vLLM, SGLang, TGI)
     is_llama = bool(props) and "total_slots" in props
     return ServerInfo(
         model=name, max_context_tokens=context, max_new_tokens_limit=0,
