@@ -4,6 +4,14 @@ It turns domain requests into protobuf, protobuf responses into frozen domain va
 failed call into the domain exception of `shared.errors` (with reason, metadata and retry delay),
 so the sweep logic above it decides on domain values alone.
 
+What it sends: `decode` of a DecodeSpec is one Decode call whose `prompt` is the spec's
+`prompt_token_ids`, its `prompt_text` (the engine tokenizes it, BOS prepended where its tokenizer
+has one) or its `chat` messages (the engine renders the model's chat template); `chat` (the
+preview) sends a ChatSpec's messages; `tokenize` is the Tokenize call with `text`, its answer less
+the leading BOS the engine prepends, so that the count is the text's own (as llama-server's and
+vLLM's /tokenize give it). Unlike the HTTP adapter, this one never sends a call twice: the
+channel keeps its own HTTP/2 connections and reconnects by itself.
+
 It also owns the transport and the CLIENT span of each Decode. The channel is the one every
 Python caller of the engine gets from `shared.engine_channel` (round_robin over the target's
 addresses with client-side health checking, TLS, the bearer token as call metadata); each Decode
@@ -66,6 +74,7 @@ class EngineClient:
         self._metadata = self._engine.metadata
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._bos_token_id: int | None = None  # GetServerInfo's, once tokenize asked for it
 
     async def close(self) -> None:
         await self._channel.close()
@@ -112,20 +121,41 @@ class EngineClient:
 
     def decode(self, spec: DecodeSpec, *, timeout: float,
                attributes: Mapping[str, AttributeValue] | None = None) -> DecodeStream:
-        """Stream the chunks of one Decode call inside its CLIENT span (a child of the current
-        span, with `attributes` added); a failed call raises its EngineError."""
+        """Stream the chunks of one Decode call of `spec`'s prompt (ids, text or chat messages)
+        inside its CLIENT span (a child of the current span, with `attributes` added); a failed call
+        raises its EngineError (a model without a chat template refuses messages: InvalidRequest)."""
         request = engine_pb2.DecodeRequest(
             request_id=spec.request_id,
-            prompt_token_ids=engine_pb2.TokenIds(ids=spec.prompt_token_ids),
             max_new_tokens=spec.max_new_tokens,
             sampling=engine_pb2.SamplingParams(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
                                                seed=spec.seed),
             ignore_eos=spec.ignore_eos,
+            **_prompt(spec),
         )
-        return self._stream(request, timeout, {
-            **_DECODE_ATTRIBUTES, "gen_ai.operation.name": "text_completion",
-            "gen_ai.request.max_tokens": spec.max_new_tokens, "gen_ai.usage.input_tokens": len(spec.prompt_token_ids),
-            "bench.request.id": spec.request_id, **(attributes or {})})
+        span_attributes: dict[str, AttributeValue] = {
+            **_DECODE_ATTRIBUTES, "gen_ai.operation.name": "chat" if spec.messages else "text_completion",
+            "gen_ai.request.max_tokens": spec.max_new_tokens, "bench.request.id": spec.request_id}
+        if spec.prompt_token_ids:
+            span_attributes["gen_ai.usage.input_tokens"] = len(spec.prompt_token_ids)
+        return self._stream(request, timeout, {**span_attributes, **(attributes or {})})
+
+    async def tokenize(self, text: str, timeout: float = 10.0) -> list[int]:
+        """The ids the engine's tokenizer gives `text` alone (the Tokenize call): the engine prepends
+        BOS where its tokenizer has one, as for a Decode prompt_text; a first id equal to
+        GetServerInfo's `bos_token_id` (asked once; 0, "none", is never dropped) is dropped, so that
+        the count is the text's own. A failed call raises its EngineError (an empty text, or one that
+        tokenizes to nothing: InvalidField)."""
+        if self._bos_token_id is None:
+            self._bos_token_id = (await self.server_info(timeout)).bos_token_id
+        try:
+            answer = await self._stub.Tokenize(engine_pb2.TokenizeRequest(text=text), timeout=timeout,
+                                               metadata=self._metadata)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err) from err
+        ids = list(answer.token_ids)
+        if ids and self._bos_token_id and ids[0] == self._bos_token_id:
+            del ids[0]
+        return ids
 
     def chat(self, spec: ChatSpec, *, timeout: float) -> DecodeStream:
         """Stream the answer to chat messages (the engine renders the model's chat template), as
@@ -195,6 +225,16 @@ class EngineClient:
 
 _DECODE_SPAN = "engine.v1.EngineService/Decode"
 _DECODE_ATTRIBUTES = rpc_attributes("Decode")
+
+
+def _prompt(spec: DecodeSpec) -> dict[str, engine_pb2.TokenIds | engine_pb2.ChatPrompt | str]:
+    """The DecodeRequest's `prompt` oneof for a DecodeSpec (it has exactly one of the three)."""
+    if spec.messages:
+        return {"chat": engine_pb2.ChatPrompt(messages=[engine_pb2.ChatMessage(role=m.role, content=m.content)
+                                                        for m in spec.messages])}
+    if spec.prompt_text:
+        return {"prompt_text": spec.prompt_text}
+    return {"prompt_token_ids": engine_pb2.TokenIds(ids=spec.prompt_token_ids)}
 
 
 def engine_tls(tls: TlsConfig | None) -> EngineTls | None:
