@@ -7,22 +7,26 @@ import asyncio
 import json
 import socket
 import ssl
+import struct
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import structlog
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from structlog.testing import LogCapture
 
 from bench_client import openai_http
 from bench_client.credentials import ChannelSecurity, TlsConfig
 from bench_client.openai_http import OpenAIClient
-from bench_client.server_api import ChatMessage, ChatSpec, Chunk, DecodeSpec
+from bench_client.server_api import ChatMessage, ChatSpec, Chunk, DecodeSpec, NoTokenizeEndpoint
 from shared.errors import (
     BadRequest,
     ClientTimeout,
@@ -398,7 +402,7 @@ async def test_connection_refused(client_for: Callable[..., OpenAIClient]) -> No
     stream = client.decode(SPEC, timeout=5)
     _, err = await collect_until_error(stream)
     assert type(err) is EngineUnavailable and url in err.message and "refused" in err.message.lower()
-    assert stream.replica is None
+    assert stream.replica is None and client.stale_connection_resends == 0  # a failure to connect: not stale
     assert not await client.is_serving()
     with pytest.raises(EngineUnavailable):
         await client.server_info()
@@ -517,3 +521,293 @@ async def test_mutual_tls_and_server_name(serve: Serve, client_for: Callable[...
     no_client_cert = TlsConfig(ca_pem=certs.ca.read_bytes())
     assert not await client_for(url, security=ChannelSecurity(tls=no_client_cert)).is_serving()
     assert not await client_for(url).is_serving()  # the system's roots do not know the test CA
+
+
+# -- prompts as text and chat ----------------------------------------------------------------------
+
+def text_spec(**prompt: Any) -> DecodeSpec:
+    return DecodeSpec(request_id="t", prompt_token_ids=(), max_new_tokens=8, ignore_eos=True, temperature=0.7,
+                      top_p=0.9, top_k=5, seed=3, **prompt)
+
+
+SAMPLING = {"max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.7,
+            "top_p": 0.9, "seed": 3, "top_k": 5, "ignore_eos": True}
+
+
+async def test_a_text_prompt_is_a_string(serve: Serve, client_for: Callable[..., OpenAIClient]) -> None:
+    record: list[dict[str, Any]] = []
+    url = await serve({"POST /v1/completions": sse([token("a"), llama_final(completion_tokens=1), "[DONE]"],
+                                                   record=record)})
+    chunks = await collect(client_for(url, model="m").decode(text_spec(prompt_text="Once upon a time"), timeout=5))
+    assert [c.text for c in chunks] == ["a", ""]
+    assert record[0]["json"] == {"model": "m", "prompt": "Once upon a time", **SAMPLING}
+
+
+def delta(content: str | None, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": {"content": content, **extra}, "finish_reason": finish}],
+            "object": "chat.completion.chunk"}
+
+
+async def test_messages_go_to_the_chat_route_with_the_sampling_fields(
+        serve: Serve, client_for: Callable[..., OpenAIClient], monkeypatch: pytest.MonkeyPatch) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(openai_http, "tracer", provider.get_tracer("bench_client"))
+    record: list[dict[str, Any]] = []
+    usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}}
+    url = await serve({"POST /v1/chat/completions": sse(
+        [delta(None, role="assistant"), 0.05, delta("Hel"), delta("lo"), delta(None, "length"), usage, "[DONE]"],
+        record=record)})
+    messages = (ChatMessage("system", "be brief"), ChatMessage("user", "hi"))
+    started = time.perf_counter()
+    chunks = await collect(client_for(url).decode(text_spec(messages=messages), timeout=5))
+    # the role-only delta is no token: the first chunk, TTFT's, is the first content delta
+    assert [(c.text, c.num_tokens) for c in chunks] == [("Hel", 1), ("lo", 1), ("", 0)]
+    assert chunks[0].received_at - started >= 0.05
+    assert (chunks[-1].finish_reason, chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == ("LENGTH", 9, 2)
+    assert record[0]["json"] == {"messages": [{"role": "system", "content": "be brief"},
+                                              {"role": "user", "content": "hi"}], **SAMPLING}
+    [span] = exporter.get_finished_spans()
+    assert span.name == "POST /v1/chat/completions" and span.attributes is not None
+    assert span.attributes["gen_ai.operation.name"] == "chat" and span.attributes["gen_ai.usage.input_tokens"] == 9
+
+
+def test_the_chat_preview_and_the_decode_of_messages_share_chat_body() -> None:
+    preview = ChatSpec("c", (ChatMessage("user", "hi"),), 8, 0.0, 3, stop=("\n",), json_schema='{"type": "object"}',
+                       top_logprobs=2)
+    assert openai_http.chat_body(preview, "m") == {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0.0,
+        "seed": 3, "stream": True, "stream_options": {"include_usage": True}, "stop": ["\n"],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}},
+        "logprobs": True, "top_logprobs": 2}
+    decode = text_spec(messages=(ChatMessage("user", "hi"),))
+    assert openai_http.chat_body(decode, None) == {"messages": [{"role": "user", "content": "hi"}], **SAMPLING}
+
+
+# -- tokenize --------------------------------------------------------------------------------------
+
+TOKENIZE_BODY = {"content": "hello world", "prompt": "hello world", "inputs": "hello world",
+                 "add_special_tokens": False}
+
+
+def recorded(status: int, body: Any, record: list[dict[str, Any]]) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        record.append(await request.json())
+        return web.json_response(body, status=status)
+    return handler
+
+
+@pytest.mark.parametrize("answer_body", [
+    {"tokens": [15, 2088]},  # llama-server
+    {"tokens": [15, 2088], "count": 2, "max_model_len": 2048},  # vLLM
+    {"tokens": [{"id": 15, "piece": "hello"}, {"id": 2088, "piece": " world"}]},  # llama-server, with_pieces
+    [{"id": 1, "text": "", "start": 0, "stop": 0}, {"id": 15, "text": "hello", "start": 0, "stop": 5},  # TGI
+     {"id": 2088, "text": " world", "start": 5, "stop": 11}],
+], ids=["llama-server", "vllm", "llama-server-pieces", "tgi"])
+async def test_tokenize(serve: Serve, client_for: Callable[..., OpenAIClient], answer_body: Any) -> None:
+    record: list[dict[str, Any]] = []
+    url = await serve({"POST /tokenize": recorded(200, answer_body, record)})
+    client = client_for(url, model="m")
+    assert await client.tokenize("hello world") == [15, 2088]
+    assert record == [{"model": "m", **TOKENIZE_BODY}]
+
+
+async def test_tokenize_without_the_route(serve: Serve, client_for: Callable[..., OpenAIClient]) -> None:
+    url = await serve({"GET /health": answer(200, "ok")})  # aiohttp: 405 for a POST to /health, 404 elsewhere
+    with pytest.raises(NoTokenizeEndpoint) as caught:
+        await client_for(url).tokenize("hello")
+    assert str(caught.value) == f"{url}/tokenize answered HTTP 404: the server has no tokenize endpoint"
+
+
+async def test_tokenize_failures(serve: Serve, client_for: Callable[..., OpenAIClient]) -> None:
+    url = await serve({"POST /tokenize": answer(500, {"error": {"code": 500, "message": "tokenizer crashed",
+                                                                "type": "server_error"}})})
+    with pytest.raises(TransportError, match="^tokenizer crashed$") as failed:
+        await client_for(url).tokenize("hello")
+    assert failed.value.http_status == 500
+    url = await serve({"POST /tokenize": answer(200, {"ids": [1]})})
+    with pytest.raises(TransportError) as odd:
+        await client_for(url).tokenize("hello")
+    assert odd.value.message == f"""{url}/tokenize: unreadable answer (no tokens): '{{"ids": [1]}}'"""
+    with pytest.raises(EngineUnavailable, match="refused"):
+        await client_for(f"http://127.0.0.1:{free_port()}").tokenize("hello")
+
+
+# -- connections -----------------------------------------------------------------------------------
+
+SSE_BODY = "".join(f"data: {json.dumps(e)}\n\n" for e in (token("a"), llama_final(completion_tokens=1))) + \
+    "data: [DONE]\n\n"
+SSE_ANSWER = (f"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: {len(SSE_BODY)}\r\n\r\n"
+              f"{SSE_BODY}").encode()
+
+
+class SilentServer:
+    """HTTP/1.1 on raw sockets, in threads of its own (its closes are not the client loop's doing):
+    each request on a keep-alive connection gets SSE_ANSWER, unless `drop(connection, request)` (both
+    1-based) says to close the connection silently instead, the request unanswered, or the connection
+    stays idle `idle_close_s` (cpp-httplib's keep-alive timeout, shortened). `reset`: close with RST
+    (SO_LINGER 0) rather than FIN. `requests` lists (connection, request) as they came."""
+
+    def __init__(self, drop: Callable[[int, int], bool] = lambda c, r: False, *, reset: bool = False,
+                 idle_close_s: float | None = None) -> None:
+        self.drop, self.reset, self.idle_close_s = drop, reset, idle_close_s
+        self.requests: list[tuple[int, int]] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            self._connections += 1
+            threading.Thread(target=self._serve, args=(conn, self._connections), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, number: int) -> None:
+        with conn:
+            buffer, count = b"", 0
+            while True:
+                conn.settimeout(self.idle_close_s if count else None)
+                try:
+                    while b"\r\n\r\n" not in buffer:
+                        data = conn.recv(65536)
+                        if not data:
+                            return
+                        buffer += data
+                except TimeoutError:
+                    return self._close(conn)  # idle too long: closed without a word, as cpp-httplib does
+                conn.settimeout(None)
+                head, buffer = buffer.split(b"\r\n\r\n", 1)
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                while len(buffer) < length:
+                    buffer += conn.recv(65536)
+                buffer = buffer[length:]
+                count += 1
+                self.requests.append((number, count))
+                if self.drop(number, count):
+                    return self._close(conn)
+                conn.sendall(SSE_ANSWER)
+
+    def _close(self, conn: socket.socket) -> None:
+        if self.reset:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+
+
+@pytest.fixture
+def silent_server() -> Iterator[Callable[..., SilentServer]]:
+    started: list[SilentServer] = []
+
+    def start(*args: Any, **kwargs: Any) -> SilentServer:
+        server = SilentServer(*args, **kwargs)
+        started.append(server)
+        return server
+    yield start
+    for server in started:
+        server.close()
+
+
+def capture_log(monkeypatch: pytest.MonkeyPatch) -> LogCapture:
+    captured = LogCapture()
+    monkeypatch.setattr(openai_http, "log", structlog.wrap_logger(None, processors=[captured],
+                                                                  wrapper_class=structlog.BoundLogger))
+    return captured
+
+
+@pytest.mark.parametrize(("reset", "error"), [(False, "ServerDisconnectedError: Server disconnected"),
+                                              (True, "ClientOSError: [Errno 104] Connection reset by peer")],
+                         ids=["fin", "rst"])
+async def test_a_dead_pooled_connection_is_resent_on_a_fresh_one(
+        silent_server: Callable[..., SilentServer], client_for: Callable[..., OpenAIClient],
+        monkeypatch: pytest.MonkeyPatch, reset: bool, error: str) -> None:
+    log = capture_log(monkeypatch)
+    server = silent_server(lambda connection, request: (connection, request) == (1, 2), reset=reset)
+    client = client_for(server.url)
+    await collect(client.decode(SPEC, timeout=5))
+    chunks = await collect(client.decode(SPEC, timeout=5))  # on connection 1 again, which dies unanswered
+    assert [(c.text, c.finish_reason) for c in chunks] == [("a", None), ("", "LENGTH")]  # complete, no error
+    assert server.requests == [(1, 1), (1, 2), (2, 1)]
+    assert client.stale_connection_resends == 1
+    assert log.entries == [{"event": "stale_connection_resent", "url": server.url + "/v1/completions",
+                            "error": error, "log_level": "debug"}]
+
+
+@pytest.mark.parametrize(("same_iteration", "error"), [
+    (False, "ServerDisconnectedError: Server disconnected"),
+    (True, "ClientOSError: [Errno None] Can not write request body for {url}"),
+], ids=["fin-after-the-body", "fin-before-the-body"])
+async def test_a_connection_closed_while_the_client_was_busy(
+        silent_server: Callable[..., SilentServer], client_for: Callable[..., OpenAIClient],
+        monkeypatch: pytest.MonkeyPatch, same_iteration: bool, error: str) -> None:
+    # The server closes an idle keep-alive connection (cpp-httplib after 5 s; 0.05 s here) while the
+    # client's event loop is busy, so that the client picks it from the pool before it sees the FIN.
+    # When the loop reads the FIN in the iteration that picked the connection, before the task that
+    # writes the body runs, aiohttp says "Can not write request body" (the llama-server sweep's error).
+    log = capture_log(monkeypatch)
+    server = silent_server(idle_close_s=0.05)
+    client = client_for(server.url)
+    await collect(client.decode(SPEC, timeout=5))
+    time.sleep(0.3)  # blocks the loop: a busy client
+    if same_iteration:
+        await asyncio.sleep(0)  # the next iteration reads the FIN, then runs this task: the pick, the headers
+    chunks = await collect(client.decode(SPEC, timeout=5))
+    assert chunks[-1].finish_reason == "LENGTH" and client.stale_connection_resends == 1
+    assert server.requests == [(1, 1), (2, 1)]  # the dead connection's server side never read the request
+    url = server.url + "/v1/completions"
+    assert [(e["event"], e["url"], e["error"]) for e in log.entries] == [
+        ("stale_connection_resent", url, error.format(url=url))]
+
+
+async def test_a_second_failure_raises(silent_server: Callable[..., SilentServer],
+                                       client_for: Callable[..., OpenAIClient]) -> None:
+    server = silent_server(lambda connection, request: (connection, request) != (1, 1))  # the fresh one dies too
+    client = client_for(server.url)
+    await collect(client.decode(SPEC, timeout=5))
+    _, err = await collect_until_error(client.decode(SPEC, timeout=5))
+    assert type(err) is EngineUnavailable
+    assert err.message == (f"{server.url}/v1/completions: connection failed before the answer: "
+                           "ServerDisconnectedError: Server disconnected")
+    assert server.requests == [(1, 1), (1, 2), (2, 1)] and client.stale_connection_resends == 1
+
+
+async def test_a_fresh_connection_that_dies_is_not_resent(silent_server: Callable[..., SilentServer],
+                                                          client_for: Callable[..., OpenAIClient]) -> None:
+    server = silent_server(lambda connection, request: True)
+    client = client_for(server.url)
+    _, err = await collect_until_error(client.decode(SPEC, timeout=5))
+    assert type(err) is EngineUnavailable and "before the answer: ServerDisconnectedError" in err.message
+    assert server.requests == [(1, 1)] and client.stale_connection_resends == 0
+
+
+async def test_tokenize_is_resent_too(silent_server: Callable[..., SilentServer],
+                                      client_for: Callable[..., OpenAIClient]) -> None:
+    server = silent_server(lambda connection, request: (connection, request) == (1, 2))
+    client = client_for(server.url)
+    await collect(client.decode(SPEC, timeout=5))
+    with pytest.raises(TransportError, match="unreadable answer"):  # it reached the server: SSE_ANSWER, no tokens
+        await client.tokenize("hello")
+    assert server.requests == [(1, 1), (1, 2), (2, 1)] and client.stale_connection_resends == 1
+
+
+async def test_an_idle_connection_is_not_reused_past_the_keepalive_timeout(
+        silent_server: Callable[..., SilentServer], client_for: Callable[..., OpenAIClient],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    server = silent_server()
+    client = client_for(server.url)
+    for _ in range(2):
+        await collect(client.decode(SPEC, timeout=5))
+    assert server.requests == [(1, 1), (1, 2)]  # within KEEPALIVE_TIMEOUT_S: the same connection
+    monkeypatch.setattr(openai_http, "KEEPALIVE_TIMEOUT_S", 0.1)
+    client = client_for(server.url)
+    await collect(client.decode(SPEC, timeout=5))
+    await asyncio.sleep(0.3)
+    await collect(client.decode(SPEC, timeout=5))
+    assert server.requests[2:] == [(2, 1), (3, 1)]  # idle past it: a new connection
