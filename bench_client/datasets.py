@@ -238,7 +238,9 @@ async def sharegpt_items(tokenizer: PromptTokenizer, *, count: int, seed: str, o
                          path: Path | None = None) -> list[WorkItem]:
     """`count` ShareGPT prompts (the packaged file, or `path`) that pass vLLM's filter, in the order
     `seed` shuffles the conversations. `max_new_tokens` is `output_len`, else the second turn's
-    token length. DatasetError when fewer than `count` pass."""
+    token length. Conversations are tokenized in that order until `count` pass (the second turn only
+    where the first passes alone), each text once a process and tokenizer. DatasetError when fewer
+    than `count` pass."""
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count!r}")
     data = read_sharegpt(path)
@@ -393,21 +395,25 @@ def sample_lengths(mean: int, range_ratio: float, count: int, rng: random.Random
 
 
 class _Corpus:
-    """Text from a corpus (pieces joined by blank lines), from a seeded piece on, cycling."""
+    """Text from a corpus (pieces joined by blank lines), from the start of a seeded piece on,
+    cycling; each take continues where the last one stopped."""
 
     def __init__(self, pieces: Sequence[str], rng: random.Random) -> None:
         self._pieces = pieces
         self._next = rng.randrange(len(pieces))
+        self._rest = ""  # what the last take left of its last piece
 
     def take(self, chars: int) -> str:
-        out: list[str] = []
-        size = 0
+        out = [self._rest]
+        size = len(self._rest)
         while size < chars:
             piece = self._pieces[self._next] + "\n\n"
             self._next = (self._next + 1) % len(self._pieces)
             out.append(piece)
             size += len(piece)
-        return "".join(out)[:chars]
+        text = "".join(out)
+        self._rest = text[chars:]
+        return text[:chars]
 
 
 async def _cut(tokenizer: PromptTokenizer, text: str, start: int, length: int) -> str | None:
@@ -445,7 +451,12 @@ async def _exact_text(tokenizer: PromptTokenizer, head: str, head_tokens: int, l
     for _ in range(ATTEMPTS):
         tail = more(length - head_tokens + 4)
         ids = await tokenizer.encode(head + tail)
-        while len(ids) < length:
+        for growth in range(ATTEMPTS + 1):
+            if len(ids) >= length:
+                break
+            if growth == ATTEMPTS:
+                raise ValueError(f"the tokenizer {tokenizer.name} counts {len(ids)} tokens in {len(head + tail)} "
+                                 f"characters of text, too few for {length}")
             tail += more(length - len(ids) + 4)
             ids = await tokenizer.encode(head + tail)
         if tokenizer.can_decode:  # vLLM's way: trim the ids and decode; it mostly re-encodes to the length
