@@ -6,7 +6,10 @@ Plots, one line per server and engine configuration, one small panel per value o
 - `throughput_vs_concurrency.png`: output token throughput against concurrency.
 - `latency_vs_context.png`: median TTFT and median TPOT against context length.
 Only points with completed requests are plotted (skipped ones have no metrics). When some point has
-a shared prompt prefix (workload.prefix_tokens), the prefix and its groups are facets too.
+a shared prompt prefix (workload.prefix_tokens), the prefix and its groups are facets too. A
+dataset's points (context 0: the dataset's own lengths) show the dataset's name as their context,
+and "own" as their new tokens where the dataset gives them; they have no latency-vs-context plot.
+With [slo], the table adds goodput (good requests/s) and SLO attainment.
 
 Records written before `prefix_tokens`, `prefix_groups` and the cached prompt tokens existed read as
 prefix 0, one group and 0 cached tokens (what those engines and clients did).
@@ -86,6 +89,14 @@ def _mean_cached(metrics: dict[str, Any]) -> float | None:
     return metrics.get("mean_cached_prompt_tokens", 0.0 if metrics["completed"] else None)
 
 
+def _context_label(record: dict[str, Any]) -> str:
+    """The context length, or the dataset whose own prompts the point sent (context 0)."""
+    if record["context_tokens"]:
+        return str(record["context_tokens"])
+    dataset = str(record.get("dataset") or "dataset")
+    return "jsonl" if dataset.startswith("jsonl:") else dataset
+
+
 def _sort_key(record: dict[str, Any]) -> tuple[str, str, int, int, int, int, int, float]:
     rate = record["request_rate"]
     return (_server_label(record), _engine_label(record["engine"]), record["context_tokens"],
@@ -99,8 +110,12 @@ def build_table(records: Sequence[dict[str, Any]]) -> Table:
     table.caption = ("latencies in ms (p50 = median); eng = reported by the engine; failed = by status code; "
                      "prefix = shared prompt prefix tokens (x groups); cached = prompt tokens per completed "
                      "request that the engine's prefix cache supplied (mean)")
+    slo = any(r.get("slo") for r in records)
+    if slo:
+        table.caption += "; good/s = requests/s meeting every SLO, SLO % = the share of requests meeting them"
     for name in ("server", "engine", "ctx", "prefix", "new", "conc", "rate", "status", "ok", "failed", "out tok/s", "req/s",
-                 "cached", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p99", "eng queue p50", "eng TTFT p50"):
+                 "cached", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p99", "eng queue p50", "eng TTFT p50",
+                 *(("good/s", "SLO %") if slo else ())):
         table.add_column(name, justify="left" if name in ("server", "engine", "status", "failed") else "right")
     table.add_column("reason", justify="left", overflow="fold", min_width=30)
     for r in sorted(records, key=_sort_key):
@@ -108,17 +123,21 @@ def build_table(records: Sequence[dict[str, Any]]) -> Table:
         requests = r["requests"]
         failed = ", ".join(f"{code}:{n}" for code, n in requests["failed_by_code"].items()) or "0"
         reason = _reason_label(r)
-        row = [_server_label(r), _engine_label(r["engine"]), str(r["context_tokens"]), _prefix_label(r), str(r["max_new_tokens"]),
+        row = [_server_label(r), _engine_label(r["engine"]), _context_label(r), _prefix_label(r),
+               str(r["max_new_tokens"] or "own"),
                str(r["concurrency"]), str(r["request_rate"]),
                f"[{_STATUS_STYLE.get(r['status'], 'white')}]{r['status']}[/]",
                str(requests["completed"]), failed]
         if m is None:
-            row += ["-"] * 9
+            row += ["-"] * (11 if slo else 9)
         else:
             row += [_fmt(m["output_throughput"]), _fmt(m["request_throughput"], 2), _fmt(_mean_cached(m)),
                     _fmt(m["ttft_ms"]["median"]), _fmt(m["ttft_ms"]["p99"]), _fmt(m["tpot_ms"]["median"], 2),
                     _fmt(m["itl_ms"]["p99"], 2), _fmt(m["engine_queue_ms"]["median"]),
                     _fmt(m["engine_ttft_ms"]["median"])]
+            if slo:
+                attainment = m.get("slo_attainment")
+                row += [_fmt(m.get("request_goodput"), 2), _fmt(attainment * 100 if attainment is not None else None)]
         table.add_row(*row, reason)
     return table
 
@@ -139,8 +158,11 @@ def write_plots(records: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
         facet_keys=("context_tokens", "max_new_tokens", "request_rate", *prefix),
         panels=(("output throughput (tokens/s)", lambda m: m["output_throughput"]),),
         title="output throughput vs concurrency")
+    by_context = [r for r in measured if r["context_tokens"]]
+    if not by_context:
+        return [throughput]  # a dataset's points have no one context length
     latency = _facet_plot(
-        measured, out_dir / LATENCY_PLOT, x_key="context_tokens", x_label="context length (tokens)",
+        by_context, out_dir / LATENCY_PLOT, x_key="context_tokens", x_label="context length (tokens)",
         facet_keys=("concurrency", "max_new_tokens", "request_rate", *prefix),
         panels=(("median TTFT (ms)", lambda m: m["ttft_ms"]["median"]),
                 ("median TPOT (ms)", lambda m: m["tpot_ms"]["median"])),

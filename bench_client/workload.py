@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from bench_client import datasets
 from bench_client.config import CHAT, JSONL_PREFIX, RANDOM, SHAREGPT, TOKEN_IDS, WorkloadConfig
 from bench_client.datasets import WorkItem
@@ -32,6 +34,8 @@ from bench_client.point_spec import PointSpec
 from bench_client.prompts import make_prompt
 from bench_client.server_api import ChatMessage, ServerInfo
 from bench_client.tokenizer import PromptTokenizer
+
+log = structlog.get_logger()
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class PointPrompts:
         self.workload = workload
         self._built: dict[tuple[str, bool], list[PointRequest]] = {}
         self._jsonl: list[datasets.JsonlRequest] | None = None
+        self._sharegpt_logged = False
 
     def check(self) -> None:
         """Read what can be read before any request (a jsonl file: every line validated); raises
@@ -98,12 +103,20 @@ class PointPrompts:
             assert tokenizer is not None, "a dataset's prompts need a tokenizer (the sweep resolves one)"
             override = spec.max_new_tokens or None
             if w.dataset == SHAREGPT:
+                self._log_sharegpt()
                 made_items = await datasets.sharegpt_items(tokenizer, count=count, seed=seed, output_len=override)
             else:
                 self.check()
                 assert self._jsonl is not None
                 made_items = await datasets.jsonl_items(self._jsonl, tokenizer, count=count, seed=seed)
         return [self._request(i, item, spec) for i, item in enumerate(made_items)]
+
+    def _log_sharegpt(self) -> None:
+        if not self._sharegpt_logged:
+            self._sharegpt_logged = True
+            read = datasets.read_sharegpt()
+            log.info("sharegpt_read", conversations=read.read, usable=len(read.conversations), torn=read.torn,
+                     path=read.source)
 
     def _request(self, index: int, item: WorkItem, spec: PointSpec) -> PointRequest:
         new_tokens = spec.max_new_tokens or item.max_new_tokens

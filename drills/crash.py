@@ -47,6 +47,7 @@ class Grid:
             f"concurrency = {self.concurrency}",
             f"requests_per_point = {self.requests_per_point}",
             "warmup_requests = 0",
+            'prompt_format = "token_ids"',  # the tiny engine's ids: the drill is about crashes, not text
             "[policy]",
             "health_wait_s = 2.0",  # shorter than a restart: a crash stops the sweep, to be resumed
             "request_timeout_s = 30.0",

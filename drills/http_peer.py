@@ -54,6 +54,7 @@ def config_toml(grid: Grid, max_restarts: int) -> str:
         f"requests_per_point = {grid.requests_per_point}",
         "warmup_requests = 0",
         "ignore_eos = true",
+        'tokenizer = "smollm2"',  # text prompts of exact lengths, sized by the model's own tokenizer
         "[policy]",
         "health_wait_s = 30.0",
         "request_timeout_s = 60.0",

@@ -363,3 +363,90 @@ def test_the_packaged_comparison_loads_this_engine_beside_llama_server(name: str
         assert config.workload.concurrency == (1, 8, 32) and config.workload.requests_per_point >= 32
     else:
         assert config.workload.context_tokens == (1024,) and config.workload.concurrency == (1,)
+
+
+# ---- datasets, tokenizer, endpoint, SLOs and the search ------------------------------------------------
+
+def workload(**keys: Any) -> dict[str, Any]:
+    return base(workload={"context_tokens": [8], "max_new_tokens": [4], "concurrency": [1], **keys})
+
+
+def dataset_workload(**keys: Any) -> dict[str, Any]:
+    return base(workload={"concurrency": [1, 4], **keys})
+
+
+def test_workload_defaults_and_a_dataset_without_lengths(tmp_path: Path) -> None:
+    w = parse_config(base()).workload
+    assert (w.dataset, w.tokenizer, w.prompt_format, w.endpoint) == ("random", None, "text", "completions")
+    assert (w.range_ratio, w.burstiness, w.duration_s, w.percentiles) == (0.0, 1.0, None, (50.0, 90.0, 95.0, 99.0))
+    shared = parse_config(dataset_workload(dataset="sharegpt", tokenizer="smollm2", endpoint="chat")).workload
+    assert (shared.context_tokens, shared.max_new_tokens, shared.dataset) == ((0,), (0,), "sharegpt")
+    lines = tmp_path / "requests.jsonl"
+    lines.write_text('{"prompt": "hi", "max_tokens": 4}\n')
+    jsonl = parse_config(dataset_workload(dataset="jsonl:requests.jsonl", max_new_tokens=[8]),
+                         base_dir=tmp_path).workload
+    assert (jsonl.dataset, jsonl.max_new_tokens) == (f"jsonl:{lines}", (8,))
+    relative = parse_config(workload(tokenizer="tok/tokenizer.json"), base_dir=tmp_path).workload
+    assert relative.tokenizer == str(tmp_path / "tok" / "tokenizer.json")
+    assert parse_config(workload(percentiles=[99, 50.5])).workload.percentiles == (50.5, 99.0)
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    (workload(dataset="wiki"), "workload.dataset must be 'random', 'sharegpt' or 'jsonl:PATH', got 'wiki'"),
+    (workload(dataset="jsonl:"), "workload.dataset must be 'random', 'sharegpt' or 'jsonl:PATH', got 'jsonl:'"),
+    (dataset_workload(dataset="jsonl:/nowhere/x.jsonl"),
+     "workload.dataset 'jsonl:/nowhere/x.jsonl': the file '/nowhere/x.jsonl' does not exist"),
+    (dataset_workload(dataset="sharegpt", context_tokens=[8]),
+     "workload.context_tokens applies to dataset 'random' only (dataset 'sharegpt' gives its own prompts), got [8]"),
+    (dataset_workload(dataset="sharegpt", prefix_tokens=4), "workload.prefix_tokens applies to dataset 'random' only"),
+    (base(workload={"context_tokens": [8], "concurrency": [1]}), "workload.max_new_tokens is required, got nothing"),
+    (dataset_workload(), "workload.context_tokens is required, got nothing"),
+    (workload(prompt_format="ids"), "workload.prompt_format must be one of 'text', 'token_ids', got 'ids'"),
+    (workload(endpoint="responses"), "workload.endpoint must be one of 'completions', 'chat', got 'responses'"),
+    (workload(prompt_format="token_ids", endpoint="chat"),
+     "workload.prompt_format 'token_ids' and workload.endpoint 'chat' are exclusive"),
+    (dataset_workload(dataset="sharegpt", prompt_format="token_ids"),
+     "workload.prompt_format 'token_ids' applies to dataset 'random' only (a dataset's prompts are text), got "
+     "dataset 'sharegpt'"),
+    (workload(tokenizer=""), "workload.tokenizer must be a non-empty string, got ''"),
+    (workload(range_ratio=1.0), "workload.range_ratio must be in [0, 1) (lengths from c*(1-r) to c*(1+r)), got 1.0"),
+    (workload(range_ratio=-0.1), "workload.range_ratio must be a finite number >= 0, got -0.1"),
+    (workload(burstiness=0), "workload.burstiness must be > 0 (the gamma shape; 1 is Poisson), got 0.0"),
+    (workload(duration_s=0), "workload.duration_s must be a finite number >= 0.001, got 0"),
+    (workload(percentiles=[]), "workload.percentiles must be a non-empty list of numbers in (0, 100], got []"),
+    (workload(percentiles=[0]), "workload.percentiles[0] must be in (0, 100], got 0"),
+    (workload(percentiles=[101]), "workload.percentiles[0] must be in (0, 100], got 101"),
+    (workload(percentiles=[50, 50]), "workload.percentiles must not repeat a value, got [50, 50]"),
+    (workload(percentiles=["p99"]), "workload.percentiles[0] must be a number, got 'p99'"),
+    (base(slo={}), "[slo] must set at least one of slo.ttft_ms, slo.tpot_ms, slo.e2el_ms, got an empty table"),
+    (base(slo={"ttft": 5}), "unknown key slo.ttft (value 5)"),
+    (base(slo={"ttft_ms": 0}), "slo.ttft_ms must be > 0 milliseconds, got 0"),
+    (base(search={"over": "request_rate", "low": 1, "high": 2}), "[search] needs [slo]"),
+    (base(slo={"ttft_ms": 5}, search={"over": "rate", "low": 1, "high": 2}),
+     "search.over must be one of 'request_rate', 'concurrency', got 'rate'"),
+    (base(slo={"ttft_ms": 5}, search={"over": "request_rate", "high": 2}), "search.low is required, got nothing"),
+    (base(slo={"ttft_ms": 5}, search={"over": "request_rate", "low": 0, "high": 2}),
+     "search.low must be > 0 requests/s, got 0"),
+    (base(slo={"ttft_ms": 5}, search={"over": "concurrency", "low": 4, "high": 4}),
+     "search.high must be > search.low 4, got 4"),
+    (base(slo={"ttft_ms": 5}, search={"over": "concurrency", "low": 1.5, "high": 4}),
+     "search.low must be an integer, got 1.5"),
+    (base(slo={"ttft_ms": 5}, search={"over": "request_rate", "low": 1, "high": 4, "steps": 1}),
+     "search.steps must be >= 2, got 1"),
+    (base(slo={"ttft_ms": 5}, search={"over": "request_rate", "low": 1, "high": 4, "steps": 21}),
+     "search.steps must be <= 20 (each is a whole point), got 21"),
+    (base(slo={"ttft_ms": 5}, search={"over": "request_rate", "low": 1, "high": 4, "attainment": 0}),
+     "search.attainment must be in (0, 1], got 0.0"),
+])
+def test_new_workload_keys_refused_with_the_key_and_value(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+        parse_config(raw)
+
+
+def test_slo_and_search_parse() -> None:
+    config = parse_config(base(slo={"ttft_ms": 500, "e2el_ms": 2000.5},
+                               search={"over": "concurrency", "low": 1, "high": 16, "steps": 5, "attainment": 0.95}))
+    assert config.slo is not None and config.slo.as_dict() == {"ttft_ms": 500.0, "e2el_ms": 2000.5}
+    assert config.search is not None
+    assert (config.search.over, config.search.low, config.search.high, config.search.steps,
+            config.search.attainment) == ("concurrency", 1, 16, 5, 0.95)

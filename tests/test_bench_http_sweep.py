@@ -108,7 +108,7 @@ async def start() -> AsyncIterator[Start]:
 
 def workload(**overrides: Any) -> dict[str, Any]:
     return {"context_tokens": [16, 48], "max_new_tokens": [8], "concurrency": [1, 2], "requests_per_point": 3,
-            "warmup_requests": 1, **overrides}
+            "warmup_requests": 1, "prompt_format": "token_ids", **overrides}
 
 
 def table_text(records: list[dict[str, Any]]) -> str:

@@ -189,9 +189,10 @@ def test_the_compose_sweep_keeps_the_demo_grid_and_engine():
     compose = tomllib.loads((ROOT / "bench_client" / "compose.toml").read_text())
     demo = tomllib.loads((ROOT / "bench_client" / "demo.toml").read_text())
     assert compose["workload"] == demo["workload"] and compose.get("policy") == demo.get("policy")
+    assert compose.get("slo") == demo.get("slo")
     assert compose["preview"] == demo["preview"], "the stack's bench log shows the demo's answer too"
     engine = yaml.safe_load(COMPOSE.read_text())["services"]["engine"]["command"]
-    for name in ("--model", "--dtype", "--quantize", "--max-context"):  # the context limit makes the demo's skips
+    for name in ("--model", "--dtype", "--quantize", "--max-context"):  # the context limit fits the demo's prompts
         assert flag(demo["engine"]["command"], name) == flag(engine, name), name
     assert flag(engine, "--dtype") is None and flag(engine, "--quantize") is None  # auto: chosen from the CPU
 
