@@ -4,7 +4,9 @@ sockets, real status codes), shaped as llama-server, vLLM, SGLang and TGI answer
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import socket
 import ssl
 import struct
@@ -723,7 +725,8 @@ def capture_log(monkeypatch: pytest.MonkeyPatch) -> LogCapture:
 
 
 @pytest.mark.parametrize(("reset", "error"), [(False, "ServerDisconnectedError: Server disconnected"),
-                                              (True, "ClientOSError: [Errno 104] Connection reset by peer")],
+                                              (True, f"ClientOSError: [Errno {errno.ECONNRESET}] "
+                                                     f"{os.strerror(errno.ECONNRESET)}")],
                          ids=["fin", "rst"])
 async def test_a_dead_pooled_connection_is_resent_on_a_fresh_one(
         silent_server: Callable[..., SilentServer], client_for: Callable[..., OpenAIClient],
