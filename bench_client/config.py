@@ -5,8 +5,8 @@ target = "127.0.0.1:50051"          # or "ipv4:127.0.0.1:50051,127.0.0.1:50052",
                                     # with api = "openai", a base URL: "http://127.0.0.1:8080"
 api = "engine.v1"                   # or "openai": an OpenAI-compatible HTTP server (llama-server, vLLM,
                                     # SGLang, TGI), asked POST /v1/completions, ready on GET /health 200
-vocab_size = 49152                  # openai only: the prompts' token ids are drawn below it, for a server
-                                    # that does not report its vocabulary (vLLM, SGLang, TGI; llama-server does)
+vocab_size = 49152                  # openai, prompt_format "token_ids" only: ids are drawn below it, for a
+                                    # server that does not report its vocabulary (text prompts need none)
 model = "SmolLM2"                   # openai only: the requests' "model" field (default: the server's own)
 
 [workload]                          # every combination of the lists is one point

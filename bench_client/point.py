@@ -73,6 +73,7 @@ class PointOutcome:
     requests: tuple[RequestOutcome, ...]  # the measured ones
     duration_s: float
     retries: int
+    connection_resends: int = 0  # requests the adapter sent again on a fresh connection (not retries)
 
 
 class PointSkipped(Exception):
@@ -118,12 +119,14 @@ class PointRunner:
         measured = await self._requests(spec, warmup=False, count=self.workload.requests_per_point)
         if warmup:
             await self._run_batch(spec, warmup, rate=math.inf, warmup=True)
+        resends = _resends(self.client)
         started = time.perf_counter()
         outcomes = await self._run_batch(spec, measured, rate=spec.request_rate, warmup=False,
                                          duration_s=self.workload.duration_s)
         duration = time.perf_counter() - started
         retries = sum(o.attempts - 1 for o in outcomes)
-        return PointOutcome(spec=spec, requests=tuple(outcomes), duration_s=duration, retries=retries)
+        return PointOutcome(spec=spec, requests=tuple(outcomes), duration_s=duration, retries=retries,
+                            connection_resends=_resends(self.client) - resends)
 
     async def _requests(self, spec: PointSpec, *, warmup: bool, count: int) -> list[PointRequest]:
         if not count:
@@ -232,6 +235,11 @@ class PointRunner:
         if not chunks or chunks[-1].completion_tokens is not None or self.tokenizer is None:
             return None
         return len(await self.tokenizer.encode("".join(c.text for c in chunks)))
+
+
+def _resends(client: ServerClient) -> int:
+    """The adapter's count of requests sent again after a dead pooled connection (HTTP only)."""
+    return int(getattr(client, "stale_connection_resends", 0))
 
 
 def arrival_offsets(count: int, rate: float, rng: random.Random, *, burstiness: float = 1.0) -> list[float]:

@@ -51,7 +51,7 @@ def skipped_record(spec: PointSpec, *, engine: Mapping[str, Any] | None, target:
         "skipped_without_sending": without_sending,
         "skip_code": code,
         "requests": {"sent": sent, "completed": 0, "failed": 0, "failed_by_code": {}, "failed_by_reason": {},
-                     "retries": 0, "warmup": 0, "by_replica": {}, "truncated": 0},
+                     "retries": 0, "connection_resends": 0, "warmup": 0, "by_replica": {}, "truncated": 0},
         "metrics": None,
     }
 
@@ -88,6 +88,7 @@ def point_record(outcome: PointOutcome, *, engine: Mapping[str, Any] | None, tar
             "failed_by_code": dict(sorted(by_code.items())),
             "failed_by_reason": dict(sorted(by_reason.items())),
             "retries": outcome.retries,
+            "connection_resends": outcome.connection_resends,
             "warmup": warmup,
             "by_replica": by_replica(outcome.requests),
             "truncated": truncated,

@@ -19,6 +19,14 @@ Point record schema `bench_client.point/1` (keys always present unless marked op
 - `context_tokens`, `max_new_tokens`, `concurrency`: ints; `request_rate`: requests/s or "inf".
 - `prefix_tokens`, `prefix_groups`: ints, the workload's shared prompt prefixes (prompts.py); optional,
   absent in records written before they existed and read as 0 and 1.
+- `dataset` ("random", "sharegpt" or "jsonl:PATH"), `endpoint` ("completions" or "chat"),
+  `prompt_format` ("text" or "token_ids"), `tokenizer` (what sized the prompts and counted answers
+  without usage: "smollm2 (GGUF ...)", "tokenizer.json PATH", "the tokenize endpoint of URL", or null
+  for token ids), `range_ratio`, `burstiness`, `duration_s` (null: no time bound), `slo` (the [slo]
+  objectives in ms, or null), `search` (a probe of an SLO search: {"over", "step", "low", "high",
+  "attainment"}; else null). With a dataset, `context_tokens` is 0 (the dataset's own lengths), and
+  so is `max_new_tokens` where the workload does not override the dataset's. Optional: absent in
+  older records, read as random token ids, completions, no SLO.
 - `status`: "ok", "skipped" or "failed".
 - `reason`: null for "ok"; for "skipped" the server's reason as the adapter classified it:
   CONTEXT_LENGTH_EXCEEDED (the prompt does not fit: engine.v1's ErrorInfo, or an HTTP 400/422 whose
@@ -33,7 +41,7 @@ Point record schema `bench_client.point/1` (keys always present unless marked op
 - `target`, `server_info` (GetServerInfo as an object; null if it could not be read).
 - `requests`: {"sent": n, "completed": n, "failed": n, "failed_by_code": {"ABORTED": n, ...},
   "failed_by_reason": {"SEQUENCE_ABORTED": n, ...}, "retries": n, "warmup": n, "by_replica": {"host:port": n},
-  "truncated": n}. Codes are gRPC names, "HTTP_<status>" over HTTP, or TRUNCATED for a request the server
+  "truncated": n, "connection_resends": n}. Codes are gRPC names, "HTTP_<status>" over HTTP, or TRUNCATED for a request the server
   ended early without an error (counted failed; `truncated` is their number, optional in older records).
   `by_replica`: the replica (its `engine-replica` header, host:port) that answered each measured
   request's last attempt, "none" for a request that reached none; sums to `sent`. Optional: absent
@@ -41,7 +49,13 @@ Point record schema `bench_client.point/1` (keys always present unless marked op
 - `metrics`: null when skipped, else the object of metrics.PointMetrics (latencies in ms with mean,
   median, p90, p99; throughputs per second; engine-reported queue time and TTFT;
   `total_cached_prompt_tokens` and `mean_cached_prompt_tokens` per completed request, the prompt
-  tokens the engine's prefix cache supplied: optional, absent in older records and read as 0).
+  tokens the engine's prefix cache supplied: optional, absent in older records and read as 0). Each
+  latency also has `std` and `percentiles` ({"50": ms, "95": ms, ...}: workload.percentiles);
+  `output_token_source` ({"usage": n, "tokenizer": n, "stream": n}: where each completed request's
+  output count came from); `good_requests`, `request_goodput` and `slo_attainment` (null without
+  [slo]). Optional: absent in older records. `connection_resends` counts the requests the HTTP
+  adapter sent once more on a fresh connection because a pooled keep-alive connection was dead
+  before any answer: they are not retries, and the policy never saw them.
 - `started_at`, `finished_at`: Unix seconds; `run_id`: the sweep run that recorded the point.
 
 A request retried by the policy (QUEUE_FULL, UNAVAILABLE before its first token: at once on another

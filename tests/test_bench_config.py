@@ -25,13 +25,17 @@ def base(**overrides: Any) -> dict[str, Any]:
     return raw
 
 
-def test_demo_config_loads_with_a_skipped_context() -> None:
+def test_demo_config_replays_sharegpt_within_the_engines_context() -> None:
     config = load_config(DEMO)
     launch = config.servers[0].launch
     assert launch is not None
     command = " ".join(launch.command)
     max_context = int(command.split("--max-context")[1].split()[0])
-    assert max(config.workload.context_tokens) > max_context  # the demo shows a skip
+    w = config.workload
+    assert (w.dataset, w.tokenizer, w.context_tokens) == ("sharegpt", "smollm2", (0,))
+    # vLLM's ShareGPT filter keeps prompts of at most 1,024 tokens: each fits with its new tokens
+    assert 1024 + max(w.max_new_tokens) <= max_context
+    assert config.slo is not None and config.slo.as_dict()  # goodput in the table
     assert config.workload.ignore_eos
     assert config.preview is not None and config.preview.question  # and a real answer first
 
