@@ -59,7 +59,7 @@ class PointPrompts:
 
     def __init__(self, workload: WorkloadConfig) -> None:
         self.workload = workload
-        self._built: dict[tuple[str, bool], list[PointRequest]] = {}
+        self._built: dict[tuple[str, bool, int], list[PointRequest]] = {}
         self._jsonl: list[datasets.JsonlRequest] | None = None
         self._sharegpt_logged = False
 
@@ -73,7 +73,9 @@ class PointPrompts:
                        server_info: ServerInfo) -> list[PointRequest]:
         """`count` requests of `spec` (warmup ones differ from measured ones); `tokenizer` sizes and
         counts text (None only for token ids, with the server's vocabulary)."""
-        key = (spec.tag(), warmup)
+        # token ids are drawn below a vocabulary: a server of another vocabulary gets its own
+        vocab = self._vocabulary(tokenizer, server_info) if self.workload.prompt_format == TOKEN_IDS else 0
+        key = (spec.tag(), warmup, vocab)
         built = self._built.get(key, [])
         if len(built) < count:
             built = await self._build(spec, warmup, count, tokenizer, server_info)
@@ -128,13 +130,18 @@ class PointPrompts:
             return PointRequest(index, new_tokens, item.prompt_tokens, messages=messages)
         return PointRequest(index, new_tokens, item.prompt_tokens, text=item.text)
 
-    def _token_ids(self, spec: PointSpec, warmup: bool, lengths: Sequence[int], tokenizer: PromptTokenizer | None,
-                   server_info: ServerInfo) -> list[PointRequest]:
+    @staticmethod
+    def _vocabulary(tokenizer: PromptTokenizer | None, server_info: ServerInfo) -> int:
         vocab = (tokenizer.vocab_size if tokenizer is not None else None) or server_info.vocab_size
         if not vocab:
             raise NoVocabulary(f"workload.prompt_format 'token_ids' needs the vocabulary size: the server "
                                f"({server_info.model or 'unnamed'}) does not report it; name a workload.tokenizer "
                                "(or set vocab_size in the server's table), or send text (prompt_format 'text')")
+        return vocab
+
+    def _token_ids(self, spec: PointSpec, warmup: bool, lengths: Sequence[int], tokenizer: PromptTokenizer | None,
+                   server_info: ServerInfo) -> list[PointRequest]:
+        vocab = self._vocabulary(tokenizer, server_info)
         avoid = {server_info.eos_token_id, server_info.bos_token_id}
         if tokenizer is not None:
             avoid |= set(tokenizer.special_ids)

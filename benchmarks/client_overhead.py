@@ -107,7 +107,7 @@ async def bench_client_round(target: str, requests: int, context: int, concurren
     client = EngineClient(target)
     try:
         info = await client.server_info()
-        workload = WorkloadConfig(context_tokens=(context,), max_new_tokens=(max_new_tokens,),
+        workload = WorkloadConfig(prompt_format="token_ids", context_tokens=(context,), max_new_tokens=(max_new_tokens,),
                                   concurrency=(concurrency,), requests_per_point=requests, warmup_requests=0,
                                   seed=seed)
         runner = PointRunner(client, info, workload, PolicyConfig(), _NoHealth(), _NoObserver(), "bench")

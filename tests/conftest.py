@@ -36,3 +36,14 @@ def start_engine():
     yield start
     for proc in started:
         proc.kill()
+
+
+@pytest.fixture(autouse=True)
+def _cli_leaves_logging_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An in-process `bench_client.__main__.main(...)` does not configure structlog: its
+    cache_logger_on_first_use would freeze every module logger first used in that test against the
+    `capture_logs` of later tests (results.py's torn-line warning, first met by an export test).
+    The CLI's own logging set-up is tested in subprocesses (test_observability_logs.py)."""
+    import bench_client.__main__ as cli
+
+    monkeypatch.setattr(cli, "_configure_logging", lambda: None)

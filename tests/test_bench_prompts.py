@@ -139,7 +139,7 @@ class Quiet:
 
 
 async def run_point(warmup: int, requests: int = 6) -> tuple[PrefixCachingEngine, PointSpec, Any]:
-    workload = WorkloadConfig(context_tokens=(80,), max_new_tokens=(1,), concurrency=(1,),
+    workload = WorkloadConfig(prompt_format="token_ids", context_tokens=(80,), max_new_tokens=(1,), concurrency=(1,),
                               requests_per_point=requests, warmup_requests=warmup, prefix_tokens=64, prefix_groups=2)
     spec = PointSpec(80, 1, 1, math.inf, prefix_tokens=64, prefix_groups=2)
     engine = PrefixCachingEngine()
@@ -212,7 +212,7 @@ def test_the_sweep_resumes_points_by_their_prefix_too(tmp_path: Path) -> None:
 async def test_every_point_sends_prompts_of_its_own_and_a_rerun_sends_the_same() -> None:
     """The demo's `cached` column once read 432 of 448 at concurrency 8: the second point at a
     context sent the first point's prompts. Now only the shared prefix is shared between points."""
-    workload = WorkloadConfig(context_tokens=(40,), max_new_tokens=(1,), concurrency=(1, 2),
+    workload = WorkloadConfig(prompt_format="token_ids", context_tokens=(40,), max_new_tokens=(1,), concurrency=(1, 2),
                               requests_per_point=3, warmup_requests=1)
     engine = PrefixCachingEngine()
     runner = PointRunner(engine, INFO, workload, PolicyConfig(), Serving(), Quiet(), "run")  # type: ignore[arg-type]

@@ -85,7 +85,8 @@ class Quiet:
 
 
 def runner(client: FakeClient, health: FakeHealth) -> PointRunner:
-    return PointRunner(client, INFO, WorkloadConfig((4,), (2,), (1,), requests_per_point=1, warmup_requests=0),  # type: ignore[arg-type]
+    return PointRunner(client, INFO, WorkloadConfig((4,), (2,), (1,), requests_per_point=1, warmup_requests=0,
+                                                        prompt_format="token_ids"),  # type: ignore[arg-type]
                        PolicyConfig(health_wait_s=5.0), health, Quiet(), "run")
 
 
