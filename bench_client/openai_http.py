@@ -17,26 +17,9 @@ llama-server, vLLM, SGLang or TGI. What it sends:
 Every failure becomes the domain exception that `bench_client.openai_errors` chooses, so the policy
 table decides as it does for gRPC.
 
-A streamed answer becomes Chunks:
-
-- one Chunk per event that carries a choice: `choices[0].text` (chat: `delta.content`, so that TTFT
-  is the first content delta's), received_at when its bytes arrived, num_tokens the tokens it
-  carried: the length of its `logprobs` when it has them, else 1 (the servers send one event per
-  sampled token; llama-server also sends one, with text "", for a token it holds back behind a
-  partial stop word, and none for a token that ends inside a UTF-8 character, which it sends with
-  the next one), and 0 for the event that only closes the choice (a `finish_reason` with no text:
-  llama-server's last event);
-- the last Chunk carries the finish_reason ("length" -> LENGTH, "stop" -> EOS, or STOP where the
-  server says a stop string matched: vLLM's `stop_reason`, SGLang's `matched_stop`) merged with
-  the usage and `timings` that came with it or after it (OpenAI's usage-only event, `choices: []`):
-  prompt_tokens, completion_tokens (the server's count, so that the point runner can compare it
-  with the tokens counted), cached_prompt_tokens (`usage.prompt_tokens_details.cached_tokens`, or
-  llama-server's `timings.cache_n`) and server_timings;
-- `data: [DONE]` ends the stream. An error frame (`data: {"error": ...}`) raises StreamError, after
-  the chunks before it (one that is the answer's first event, before any token, is classified by
-  `from_first_error_frame`: TGI refuses a streamed request so, top_p 1.0 included); an event whose
-  data is not a JSON object raises StreamError (http_status 200); a stream that ends without [DONE]
-  and without finish_reason just ends (the point runner counts it).
+A streamed answer becomes Chunks as bench_client/openai_stream.py reads its events (a stream that
+ends without [DONE] and without finish_reason just ends: the point runner counts it); the bodies and
+the server's small answers are built and read by bench_client/openai_json.py.
 
 The connections: one aiohttp.ClientSession, its pool sized by `concurrency` (`set_concurrency`
 grows it for the next point: a pool smaller than the point's concurrency would queue requests in
@@ -79,17 +62,13 @@ from opentelemetry.util.types import AttributeValue
 
 from bench_client.credentials import ChannelSecurity, TlsConfig
 from bench_client.openai_errors import (
-    from_error_frame,
-    from_first_error_frame,
     from_http_response,
-    json_int,
-    json_str,
-    malformed_answer,
     malformed_event,
     transport_failure,
 )
+from bench_client.openai_json import chat_body, completion_body, server_info_from, token_ids_from, tokenize_body
+from bench_client.openai_stream import StreamReader
 from bench_client.server_api import (
-    OPENAI,
     ChatSpec,
     Chunk,
     DecodeSpec,
@@ -98,8 +77,8 @@ from bench_client.server_api import (
     ServerInfo,
     poll_until_serving,
 )
-from bench_client.sse import Event, SSEParser
-from shared.errors import ClientTimeout, EngineError, EngineUnavailable, QueueFull, StreamError, status_code_of
+from bench_client.sse import SSEParser
+from shared.errors import ClientTimeout, EngineError, EngineUnavailable, QueueFull, status_code_of
 
 tracer = trace.get_tracer("bench_client")
 log = structlog.get_logger()
@@ -376,7 +355,7 @@ class OpenAIClient:
             propagate.inject(headers, context=trace.set_span_in_context(span))
         pool = self._session()
         pool.active += 1
-        reader = _StreamReader(chat)
+        reader = StreamReader(chat)
         events = 0
         try:
             try:
@@ -450,255 +429,6 @@ async def _mark_reused(session: aiohttp.ClientSession, context: SimpleNamespace,
         context.trace_request_ctx.reused = True
 
 
-class _StreamReader:
-    """The events of one answer in, Chunks out (pure): holds the chunk that closes the choice until
-    the usage after it (or [DONE], or the end) arrives, so that the last Chunk carries both."""
-
-    def __init__(self, chat: bool) -> None:
-        self.chat = chat
-        self.done = False
-        self.output_tokens = 0
-        self.usage_input_tokens: int | None = None
-        self.cached_tokens: int | None = None
-        self._ended = False
-        self._final: Chunk | None = None
-        self._usage: Mapping[str, Any] | None = None
-        self._timings: Mapping[str, Any] | None = None
-
-    def on_event(self, event: Event, received_at: float) -> list[Chunk]:
-        if self.done:
-            return []
-        data = event.data.strip()
-        if data == "[DONE]":
-            self.done = True
-            return self.end()
-        try:
-            message = json.loads(data)
-        except ValueError:
-            raise malformed_event(event.data, "data is not JSON") from None
-        if not isinstance(message, Mapping):
-            raise malformed_event(event.data, "data is not a JSON object")
-        if "error" in message or event.event == "error":
-            if self.output_tokens == 0 and self._final is None:  # before any token: TGI's refusals
-                raise from_first_error_frame(message)
-            raise from_error_frame(message)
-        if isinstance(message.get("usage"), Mapping):
-            self._usage = message["usage"]
-        if isinstance(message.get("timings"), Mapping):
-            self._timings = message["timings"]
-        choices = message.get("choices")
-        if choices is None and "usage" not in message:
-            raise malformed_event(event.data, "an event without choices")
-        if not isinstance(choices, list) or not choices:
-            return []  # the usage-only event (choices: []): merged into the final chunk
-        choice = choices[0]
-        if not isinstance(choice, Mapping):
-            raise malformed_event(event.data, "a choice that is not an object")
-        text, tokens = self._text_and_tokens(choice)
-        finish = finish_reason(choice)
-        out: list[Chunk] = []
-        if self._final is not None:  # more after the closing chunk (several choices?): keep it as it is
-            out.append(self._final)
-            self._final = None
-        self.output_tokens += tokens
-        chunk = Chunk(received_at=received_at, num_tokens=tokens, text=text, finish_reason=finish,
-                      prompt_tokens=None, completion_tokens=None, timing=None)
-        if finish is not None:
-            self._final = chunk
-        elif tokens or text:
-            out.append(chunk)
-        return out
-
-    def _text_and_tokens(self, choice: Mapping[str, Any]) -> tuple[str, int]:
-        if self.chat:
-            delta = choice.get("delta") or {}
-            text = delta.get("content") if isinstance(delta, Mapping) else None
-            text = text if isinstance(text, str) else ""
-            carries = bool(text) or (isinstance(delta, Mapping) and bool(
-                delta.get("reasoning_content") or delta.get("tool_calls")))
-        else:
-            text = choice.get("text")
-            text = text if isinstance(text, str) else ""
-            carries = bool(text) or not choice.get("finish_reason")
-        logprobs = choice.get("logprobs")
-        if isinstance(logprobs, Mapping):
-            for key in ("tokens", "content"):  # legacy completions (vLLM); chat and llama-server
-                if isinstance(logprobs.get(key), list):
-                    return text, len(logprobs[key])
-        return text, 1 if carries else 0
-
-    def end(self) -> list[Chunk]:
-        """The end of the answer ([DONE] or the end of the body): the held final chunk, with usage."""
-        self.done = True
-        if self._ended:
-            return []
-        self._ended = True
-        final, self._final = self._final, None
-        if final is None and self._usage is None:
-            return []
-        usage = self._usage or {}
-        timings = _numbers(self._timings)
-        prompt_tokens = json_int(usage.get("prompt_tokens"))
-        details = usage.get("prompt_tokens_details")
-        cached = json_int(details.get("cached_tokens")) if isinstance(details, Mapping) else None
-        if cached is None and timings is not None and "cache_n" in timings:
-            cached = int(timings["cache_n"])
-        self.usage_input_tokens = prompt_tokens
-        self.cached_tokens = cached
-        return [Chunk(
-            received_at=final.received_at if final is not None else time.perf_counter(),
-            num_tokens=final.num_tokens if final is not None else 0,
-            text=final.text if final is not None else "",
-            finish_reason=final.finish_reason if final is not None else None,
-            prompt_tokens=prompt_tokens, completion_tokens=json_int(usage.get("completion_tokens")),
-            timing=None, cached_prompt_tokens=cached, server_timings=timings,
-        )]
-
-
-def finish_reason(choice: Mapping[str, Any]) -> str | None:
-    """The domain finish reason of a choice: LENGTH, EOS, STOP (a stop string matched, where the
-    server says so), None while it goes on; "abort" (vLLM's engine aborted it) raises StreamError."""
-    raw = choice.get("finish_reason")
-    if raw is None or raw == "":  # TGI's streamed completions may say "" while the answer goes on
-        return None
-    if raw == "length":
-        return "LENGTH"
-    if raw == "stop":
-        # vLLM: stop_reason None (EOS) or the stop token id / string; SGLang: matched_stop id or string
-        matched = choice.get("stop_reason", choice.get("matched_stop"))
-        return "STOP" if isinstance(matched, str) else "EOS"
-    if raw == "eos_token":  # TGI
-        return "EOS"
-    if raw in ("stop_sequence", "tool_calls", "function_call", "content_filter"):
-        return "STOP"
-    if raw in ("abort", "error"):
-        err = StreamError(f"the server ended the answer with finish_reason {raw!r}",
-                          metadata={"httpStatus": 200, "finishReason": raw})
-        err.http_status = 200
-        raise err
-    return str(raw).upper()
-
-
-def completion_body(spec: DecodeSpec, model: str | None) -> dict[str, Any]:
-    """The JSON of POST /v1/completions for one DecodeSpec: its prompt as token ids (a list of ints)
-    or as text (a string), with its sampling fields."""
-    body = _model_field(model)
-    body["prompt"] = list(spec.prompt_token_ids) if spec.prompt_token_ids else spec.prompt_text
-    body.update(_sampling(spec))
-    return body
-
-
-def chat_body(spec: DecodeSpec | ChatSpec, model: str | None) -> dict[str, Any]:
-    """The JSON of POST /v1/chat/completions: a DecodeSpec's messages with the sampling fields that
-    `completion_body` sends, or a ChatSpec's (the preview: its temperature, and its stop strings, JSON
-    schema and logprobs where it asks for them)."""
-    body = _model_field(model)
-    body["messages"] = [{"role": m.role, "content": m.content} for m in spec.messages]
-    if isinstance(spec, DecodeSpec):
-        body.update(_sampling(spec))
-        return body
-    body.update({"max_tokens": spec.max_new_tokens, "temperature": spec.temperature, "seed": spec.seed,
-                 "stream": True, "stream_options": {"include_usage": True}})
-    if spec.stop:
-        body["stop"] = list(spec.stop)
-    if spec.json_schema is not None:  # OpenAI's structured outputs, as vLLM and llama-server take them
-        body["response_format"] = {"type": "json_schema",
-                                   "json_schema": {"name": "answer", "schema": json.loads(spec.json_schema)}}
-    if spec.top_logprobs:
-        body.update(logprobs=True, top_logprobs=spec.top_logprobs)
-    return body
-
-
-def _model_field(model: str | None) -> dict[str, Any]:
-    return {"model": model} if model else {}
-
-
-def _sampling(spec: DecodeSpec) -> dict[str, Any]:
-    """A DecodeSpec's length, sampling and streaming fields, as both routes take them."""
-    fields: dict[str, Any] = {
-        "max_tokens": spec.max_new_tokens, "stream": True, "stream_options": {"include_usage": True},
-        "temperature": spec.temperature, "top_p": spec.top_p, "seed": spec.seed,
-    }
-    if spec.top_k > 0:
-        fields["top_k"] = spec.top_k
-    if spec.ignore_eos:
-        fields["ignore_eos"] = True
-    return fields
-
-
-def tokenize_body(text: str, model: str | None) -> dict[str, Any]:
-    """The JSON of POST /tokenize that each server reads its own fields of and ignores the others':
-    llama-server `content` (no BOS: `add_special` is false by default), vLLM `prompt` and
-    `add_special_tokens` (false: no BOS) and `model` (its pydantic models allow extra fields), TGI
-    `inputs` (a GenerateRequest; it always adds its tokenizer's special tokens: `token_ids_from`
-    drops them)."""
-    body = _model_field(model)
-    body.update({"content": text, "prompt": text, "inputs": text, "add_special_tokens": False})
-    return body
-
-
-def token_ids_from(body: bytes, url: str) -> list[int]:
-    """The ids of a 200 answer of POST /tokenize: `{"tokens": [ids]}` (llama-server; vLLM adds
-    `count` and `max_model_len`; llama-server's `with_pieces` form `{"tokens": [{"id", "piece"}]}`),
-    or TGI's list of `{"id", "text", "start", "stop"}`, less the special tokens its tokenizer added
-    at either end (an empty span: start == stop, the BOS or EOS that no character of the text made).
-    Raises TransportError (`malformed_answer`) for any other shape."""
-    try:
-        answer = json.loads(body)
-    except ValueError:
-        raise malformed_answer(url, body, "not JSON") from None
-    if isinstance(answer, list):  # TGI
-        spans = [item for item in answer if isinstance(item, Mapping)]
-        if len(spans) != len(answer) or not all(_is_id(t.get("id")) for t in spans):
-            raise malformed_answer(url, body, "a list of tokens without ids")
-        start, stop = 0, len(spans)
-        while start < stop and spans[start].get("start") == spans[start].get("stop"):
-            start += 1
-        while stop > start and spans[stop - 1].get("start") == spans[stop - 1].get("stop"):
-            stop -= 1
-        return [t["id"] for t in spans[start:stop]]
-    tokens = answer.get("tokens") if isinstance(answer, Mapping) else None
-    if not isinstance(tokens, list):
-        raise malformed_answer(url, body, "no tokens")
-    ids = [t.get("id") if isinstance(t, Mapping) else t for t in tokens]
-    if not all(_is_id(i) for i in ids):
-        raise malformed_answer(url, body, "a token that is not an id")
-    return ids
-
-
-def _is_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def server_info_from(reported: Mapping[str, Any], *, model: str | None, vocab_size: int | None) -> ServerInfo:
-    """The ServerInfo of the answers of /props, /v1/models, /info and /version (those that came)."""
-    props = _mapping(reported.get("props"))
-    models = _mapping(reported.get("models"))
-    info = _mapping(reported.get("info"))
-    version = _mapping(reported.get("version"))
-    data = models.get("data")
-    first = _mapping(data[0]) if isinstance(data, list) and data else {}
-    meta = _mapping(first.get("meta"))
-    settings = _mapping(props.get("default_generation_settings"))
-    name = (model or json_str(first.get("id")) or json_str(info.get("model_id")) or json_str(props.get("model_alias"))
-            or Path(json_str(props.get("model_path")) or "").name)
-    context = (json_int(settings.get("n_ctx")) or json_int(meta.get("n_ctx")) or json_int(first.get("max_model_len"))
-               or json_int(info.get("max_total_tokens")) or 0)
-    vocab = json_int(meta.get("n_vocab")) or vocab_size or 0  # 0: not reported (vLLM, SGLang, TGI)
-    is_llama = bool(props) and "total_slots" in props
-    return ServerInfo(
-        model=name, max_context_tokens=context, max_new_tokens_limit=0,
-        max_batch_size=json_int(props.get("total_slots")) or 0, queue_capacity=0, vocab_size=vocab,
-        eos_token_id=-1, bos_token_id=-1, device="", dtype=json_str(props.get("model_ftype")) or "",
-        tokenizer=json_str(info.get("model_id")) or "",
-        engine_version=(json_str(props.get("build_info")) or json_str(info.get("version")) or json_str(version.get("version"))
-                        or ""),
-        # llama-server says whether it has a template; the others serve chat when the model has one
-        has_chat_template=bool(props.get("chat_template")) if is_llama else True,
-        api=OPENAI, reported=dict(reported),
-    )
-
-
 def base_url(target: str, *, tls: bool) -> str:
     """The base URL of `target`; raises ValueError for a scheme that contradicts the TLS settings."""
     target = target.strip().rstrip("/")
@@ -751,13 +481,3 @@ def _not_an_openai_server(url: str) -> EngineError:
     err = from_http_response(404, {}, f"{url} serves none of /props, /v1/models, /info: not an OpenAI-compatible "
                                       "server (or not this API)")
     return err
-
-
-def _mapping(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
-def _numbers(value: Mapping[str, Any] | None) -> dict[str, float] | None:
-    if not value:
-        return None
-    return {k: float(v) for k, v in value.items() if isinstance(v, int | float) and not isinstance(v, bool)}

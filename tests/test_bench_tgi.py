@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 
 from bench_client.openai_errors import from_first_error_frame
-from bench_client.openai_http import OpenAIClient, completion_body
+from bench_client.openai_http import OpenAIClient
+from bench_client.openai_json import completion_body
 from bench_client.policy import Action, decide
 from bench_client.server_api import ChatMessage, Chunk, DecodeSpec
 from shared.errors import BadRequest, ContextLengthExceeded, EngineError, QueueFull, StreamError

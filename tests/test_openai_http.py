@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from structlog.testing import LogCapture
 
-from bench_client import openai_http
+from bench_client import openai_http, openai_json
 from bench_client.credentials import ChannelSecurity, TlsConfig
 from bench_client.openai_http import OpenAIClient
 from bench_client.server_api import ChatMessage, ChatSpec, Chunk, DecodeSpec, NoTokenizeEndpoint
@@ -578,13 +578,13 @@ async def test_messages_go_to_the_chat_route_with_the_sampling_fields(
 def test_the_chat_preview_and_the_decode_of_messages_share_chat_body() -> None:
     preview = ChatSpec("c", (ChatMessage("user", "hi"),), 8, 0.0, 3, stop=("\n",), json_schema='{"type": "object"}',
                        top_logprobs=2)
-    assert openai_http.chat_body(preview, "m") == {
+    assert openai_json.chat_body(preview, "m") == {
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0.0,
         "seed": 3, "stream": True, "stream_options": {"include_usage": True}, "stop": ["\n"],
         "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}},
         "logprobs": True, "top_logprobs": 2}
     decode = text_spec(messages=(ChatMessage("user", "hi"),))
-    assert openai_http.chat_body(decode, None) == {"messages": [{"role": "user", "content": "hi"}], **SAMPLING}
+    assert openai_json.chat_body(decode, None) == {"messages": [{"role": "user", "content": "hi"}], **SAMPLING}
 
 
 # -- tokenize --------------------------------------------------------------------------------------
