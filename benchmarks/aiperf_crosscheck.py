@@ -1,0 +1,523 @@
+"""AIPerf, an independent benchmark client, against ours: the same llama-server, the same prompts.
+
+    python benchmarks/aiperf_crosscheck.py [--short] [--requests N] [--prompt-tokens 128]
+        [--output-tokens 64] [--concurrency 1,8] [--server-nice N] [--out DIR] [--cache DIR]
+
+One llama-server (the `make peers` build, bench_client.peers) serves the packaged SmolLM2 GGUF on
+one core (`taskset -c 0`, `-t 1`, `-np 8`, `-b 128`); each client runs on the other core (`taskset
+-c 1`): AIPerf's own processes take most of a core, and a client on the server's core slows it. At
+each concurrency (1, 8) our client (`python -m bench_client sweep`) runs, then AIPerf (`aiperf
+profile`), each one warmup request and then N measured. The server keeps no prompt cache
+(`--no-cache-prompt --cache-ram 0`): the second client's prompts, and a measured one equal to the
+warmup's, are computed in full as the first time.
+
+Prompts: N texts of exactly --prompt-tokens tokens (our random dataset, bench_client.datasets;
+counted again by the server's /tokenize), each for --output-tokens tokens, `ignore_eos`, greedy.
+One list, written in each client's JSONL: `prompts.jsonl` (ours, `dataset = "jsonl:PATH"`: lines
+{"prompt", "max_tokens"}, other keys refused) and `prompts.aiperf.jsonl` (AIPerf's
+`--custom-dataset-type single_turn`: {"text", "output_length"}). Each replays all N lines once
+(ours from a seeded line on, AIPerf in order): the same texts. AIPerf 0.13.0 lives in its own venv
+(~/.cache/engine-bench/aiperf-0.13.0/venv: ~80 s to install the first time), with a tokenizer
+folder written there once from the GGUF by transformers.
+
+Compared, over the measured requests (p50: the interpolated median; ratio AIPerf / ours):
+  TTFT p50  ours ttft_ms            AIPerf time_to_first_token     first content chunk - request sent
+  TPOT p50  ours tpot_ms            AIPerf inter_token_latency     (E2EL - TTFT) / (output tokens - 1)
+  ITL p50   ours itl_ms             AIPerf inter_chunk_latency     gaps between content chunks
+  tok/s     ours output_throughput  AIPerf output_token_throughput output tokens / duration
+Shown, not judged: E2EL, output tokens per request, the durations, failures, our retries and the
+prompt tokens the server ran (its timings.prompt_n). Each run reports the cores other processes
+kept busy meanwhile; over 0.25 (`*`) its figures are not fit to compare. Exit 0 when every judged
+figure is within 10%, else 1 (the table printed whenever both clients ran). `--short` (CI): 8
+requests at c=1, 16 at c=8; by default 24 and 32.
+
+FINDINGS (AIPerf's source: site-packages/aiperf/ of its venv; llama.cpp: the vendored tree)
+- Definitions are ours: TTFT and request latency from the first and last content response
+  (metrics/types/ttft_metric.py, request_latency_metric.py); inter_token_latency is (latency -
+  TTFT) / (OSL - 1) per request, vLLM's TPOT (inter_token_latency_metric.py:102); inter_chunk_
+  latency the gaps (our ITL). Both stamp each network read and give every SSE event in it that
+  time (transports/sse_utils.py:133,180; ours openai_http.py's iter_any). tok/s divides by last
+  response - first request of the profiling phase (benchmark_duration_metric.py), warmup excluded,
+  as ours divides by first measured send to last end (point.py).
+- Output tokens: AIPerf re-tokenizes the answer's text unless --use-server-token-count
+  (records/inference_result_parser.py:339-345, 650-690). With ignore_eos SmolLM2 emits token
+  sequences the tokenizer would not: " servant" in two tokens, 32 times, re-tokenizes to 32 of 64.
+  Ours counts usage.completion_tokens, so AIPerf runs with --use-server-token-count.
+- Keep-alive: AIPerf pools connections for 300 s (common/environment.py:857,
+  AIPERF_HTTP_KEEPALIVE_TIMEOUT), llama-server closes them after 5 s idle (cpp-httplib,
+  vendor/cpp-httplib/httplib.h:26): at c=8 the warmup's connection, idle through the first wave,
+  was reused dead ("Can not write request body"), counted failed, not retried; the next wave ran 7.
+  AIPerf gets our 3 s (openai_http.KEEPALIVE_TIMEOUT_S).
+- Arrivals: both start all C at once and send one more as each ends (AIPerf: timing/config.py:57
+  CONCURRENCY_BURST, timing/intervals.py:207 zero intervals under a semaphore of C; no ramp unless
+  --concurrency-ramp-duration; its warmup ends before profiling, timing/config.py:548). llama-server
+  batches whatever has arrived: with the default -b 2048 a burst split 1 + 7 for ours in every wave
+  (its first request rides the warmup's pooled connection, the rest connect; then that one ends a
+  step early and its successor goes alone again), 3 + 5, 5 + 3, 6 + 2 for AIPerf, so TTFT and TPOT
+  p50 fell in the late group for ours and the early one for AIPerf (0.72-0.77, 1.3-1.4). With -b
+  128 the server computes the prompts one an iteration whatever the split: c=8 within 4%.
+- AIPerf's own CPU: its timing manager busy-polls while every slot is taken (timing/strategies/
+  request_rate.py:316,328, yield_to_event_loop in the loop), about 0.6 of the client core; with
+  other processes there too its worker reads late, several events a read (gaps of 0: ITL p50 9.5
+  against 12.0 ms at c=1). On a shared machine a busy client core also pushes other processes onto
+  the server's core (its prompt time +10% by its own timings): compare figures without `*` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench_client import peers  # noqa: E402
+from benchmarks.llamacpp import CONTENDED, OthersBusy  # noqa: E402
+
+AIPERF_VERSION = "0.13.0"
+TOLERANCE = 0.10  # judged figures agree when AIPerf's is within 10% of ours
+CONCURRENCIES = (1, 8)
+SLOTS = 8  # llama-server -np: one slot per request in flight at the highest concurrency
+SEED = 7
+# llama-server's batch (-b, -ub; default 2048 and 512): at most BATCH tokens an iteration, so a burst's
+# prompts are computed one after the other whichever of them reached the server first (FINDINGS).
+BATCH = 128
+STEP_TIMEOUT_S = 900.0
+
+
+class CrosscheckError(RuntimeError):
+    """A step failed; the message names it and quotes what it printed."""
+
+
+def log(msg: str) -> None:
+    print(f"[crosscheck] {msg}", file=sys.stderr, flush=True)
+
+
+def default_cache() -> Path:
+    return peers.llamacpp_cache().parent / f"aiperf-{AIPERF_VERSION}"
+
+
+def run_step(step: str, cmd: Sequence[str], *, timeout: float = STEP_TIMEOUT_S, cwd: Path | None = None,
+             env: dict[str, str] | None = None) -> str:
+    """Run cmd to its end; its stdout+stderr. CrosscheckError with the output's tail on failure."""
+    shown = " ".join(str(c) for c in cmd)
+    log(f"{step}: {shown}")
+    try:
+        proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise CrosscheckError(f"{step} failed: `{shown}`: {err}") from err
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise CrosscheckError(f"{step} failed (exit {proc.returncode}): `{shown}`\n--- output tail ---\n{out[-3000:]}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The environments: AIPerf's own venv and the tokenizer folder, made once in the cache
+
+
+def aiperf_env(cache: Path) -> Path:
+    """AIPerf's executable in its own venv (cache/venv), installed when missing. A venv without the
+    marker (an install cut short) is made again."""
+    venv = cache / "venv"
+    marker = venv / ".aiperf-installed"
+    if marker.is_file() and marker.read_text().strip() == AIPERF_VERSION:
+        return venv / "bin" / "aiperf"
+    shutil.rmtree(venv, ignore_errors=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    log(f"installing aiperf=={AIPERF_VERSION} into {venv} (about 80 s the first time)")
+    run_step("venv", [sys.executable, "-m", "venv", venv], timeout=300)
+    run_step("pip install aiperf", [venv / "bin" / "python", "-m", "pip", "install", "-q",
+                                    f"aiperf=={AIPERF_VERSION}"], timeout=1800)
+    run_step("aiperf --version", [venv / "bin" / "aiperf", "--version"], timeout=120)
+    marker.write_text(AIPERF_VERSION + "\n")
+    return venv / "bin" / "aiperf"
+
+
+def smollm2_gguf() -> Path:
+    from engine_service.model.presets import PACKAGED
+
+    return PACKAGED["smollm2"].locate("smollm2")
+
+
+def tokenizer_dir(cache: Path) -> Path:
+    """A Hugging Face tokenizer folder of SmolLM2, written from the packaged GGUF by transformers
+    (what AIPerf loads with --tokenizer, and what sizes the prompts here)."""
+    out = cache / "tokenizer-smollm2"
+    if (out / "tokenizer.json").is_file():
+        return out
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf()
+    log(f"writing the tokenizer folder {out} from {gguf.name}")
+    staging = Path(tempfile.mkdtemp(prefix="tokenizer-", dir=cache))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(staging))
+    staging.rename(out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The prompts: N texts of exactly L tokens, in each client's JSONL form
+
+
+def make_prompts(tok_dir: Path, count: int, length: int, seed: int = SEED) -> list[str]:
+    """`count` texts of exactly `length` tokens by the tokenizer folder's tokenizer: our client's
+    random dataset (bench_client.datasets.random_items: random ids decoded, re-encoded and cut to
+    the length, as vLLM's random dataset, made exact)."""
+    from bench_client import datasets
+    from bench_client.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tok_dir), base_dir=tok_dir)
+    items = asyncio.run(datasets.random_items(tokenizer, lengths=[length] * count, seed=f"aiperf-crosscheck:{seed}"))
+    return [item.text for item in items]
+
+
+def write_prompt_files(out: Path, prompts: Sequence[str], output_tokens: int) -> tuple[Path, Path]:
+    """The same prompts twice: ours (jsonl: {"prompt", "max_tokens"}) and AIPerf's single_turn
+    ({"text", "output_length"}); the two paths."""
+    ours, theirs = out / "prompts.jsonl", out / "prompts.aiperf.jsonl"
+    ours.write_text("".join(json.dumps({"prompt": p, "max_tokens": output_tokens}) + "\n" for p in prompts))
+    theirs.write_text("".join(json.dumps({"text": p, "output_length": output_tokens}) + "\n" for p in prompts))
+    return ours, theirs
+
+
+# ---------------------------------------------------------------------------------------------
+# The server: llama-server on one core, no prompt cache
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """llama-server pinned to `core` (at niceness `nice`), started on enter (ready when GET /health
+    answers 200)."""
+
+    core: int
+    ctx: int
+    log_path: Path
+    nice: int = 0
+    port: int = 0
+    proc: subprocess.Popen | None = None
+    command: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Server:
+        self.port = free_port()
+        # Weight repacking off (--no-repack): this build dies of SIGILL loading Q4_1 with it (tests/llama_server.py).
+        self.command = [*(["nice", "-n", str(self.nice)] if self.nice else []), "taskset", "-c", str(self.core),
+                        str(peers.llama_server()), "-m", str(smollm2_gguf()),
+                        "-t", "1", "-np", str(SLOTS), "-c", str(self.ctx), "-b", str(BATCH), "-ub", str(BATCH),
+                        "--host", "127.0.0.1",
+                        "--port", str(self.port), "--no-repack", "--no-cache-prompt", "--cache-ram", "0"]
+        log(f"llama-server: {' '.join(self.command)}")
+        with open(self.log_path, "ab") as out:  # parent_death: SIGTERM to the server should this script die
+            self.proc = subprocess.Popen([sys.executable, "-m", "bench_client.parent_death", str(os.getpid()),
+                                          *self.command], cwd=REPO, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.__exit__()
+                raise CrosscheckError(f"llama-server exited with {self.proc.returncode if self.proc else '?'}; "
+                                      f"log {self.log_path}:\n{self.log_path.read_text(errors='replace')[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.HTTPError, OSError):
+                pass  # 503 while loading, or not listening yet
+            time.sleep(0.1)
+        self.__exit__()
+        raise CrosscheckError(f"llama-server not ready after 120 s; log {self.log_path}")
+
+    def __exit__(self, *exc: object) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+    def cpu_s(self) -> float:
+        """The server's CPU seconds so far (/proc/PID/stat utime + stime)."""
+        if self.proc is None:
+            return 0.0
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def token_counts(self, prompts: Sequence[str]) -> list[int]:
+        """How many tokens the server's own tokenizer makes of each prompt (POST /tokenize)."""
+        counts = []
+        for text in prompts:
+            req = urllib.request.Request(f"{self.url}/tokenize", data=json.dumps({"content": text}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                counts.append(len(json.load(resp)["tokens"]))
+        return counts
+
+
+# ---------------------------------------------------------------------------------------------
+# The two clients: one run each at one concurrency, its figures by the table's names
+
+
+@dataclass(frozen=True)
+class Run:
+    concurrency: int
+    requests: int
+    warmup: int
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass
+class Figures:
+    client: str
+    values: dict[str, float | None]  # the table's rows, by name
+    note: str = ""
+    others_busy_cores: float | None = None
+    wall_s: float = 0.0
+
+
+def _children_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(step: str, server: Server, fn: Callable[..., Figures], *args: Any) -> Figures:
+    """fn(*args), with the cores other processes (not the server, not our children) kept busy meanwhile."""
+    t0 = time.monotonic()
+    with OthersBusy(step, own_cpu_s=lambda: _children_cpu_s() + server.cpu_s(), log=log) as busy:
+        figures = fn(*args)
+    figures.others_busy_cores, figures.wall_s = busy.cores, time.monotonic() - t0
+    return figures
+
+
+def our_config(server: Server, run: Run, prompts_file: Path, tok_dir: Path) -> str:
+    """Our sweep's TOML: one point, the prompts file replayed (each line's own max_tokens)."""
+    return (f'api = "openai"\ntarget = "{server.url}"\n\n[workload]\ndataset = "jsonl:{prompts_file}"\n'
+            f'tokenizer = "{tok_dir}"\nconcurrency = [{run.concurrency}]\nrequests_per_point = {run.requests}\n'
+            f"warmup_requests = {run.warmup}\nseed = {SEED}\nignore_eos = true\ntemperature = 0.0\n")
+
+
+def run_ours(server: Server, run: Run, work: Path, prompts_file: Path, tok_dir: Path, core: int) -> Figures:
+    work.mkdir(parents=True)
+    (work / "sweep.toml").write_text(our_config(server, run, prompts_file, tok_dir))
+    run_step(f"ours c={run.concurrency}", ["taskset", "-c", str(core), sys.executable, "-m", "bench_client",
+                                            "sweep", work / "sweep.toml", "--out", work / "out", "--detail"], cwd=REPO)
+    records = [json.loads(line) for line in (work / "out" / "results.jsonl").read_text().splitlines() if line]
+    if len(records) != 1 or records[0].get("status") != "ok":
+        raise CrosscheckError(f"ours c={run.concurrency}: expected one ok point, got {records}")
+    m, req = records[0]["metrics"], records[0]["requests"]
+    return Figures("ours", {
+        "TTFT p50 ms": m["ttft_ms"]["median"], "TPOT p50 ms": m["tpot_ms"]["median"],
+        "ITL p50 ms": m["itl_ms"]["median"], "output tok/s": m["output_throughput"],
+        "E2EL p50 ms": m["e2el_ms"]["median"],
+        "output tokens/request": m["total_output_tokens"] / m["completed"] if m["completed"] else None,
+        "duration s": m["duration_s"], "completed": req["completed"], "failed": req["failed"],
+        "retries": req["retries"], "server prompt_n": m.get("server_timings_mean", {}).get("prompt_n"),
+    }, note=f"output tokens from {m.get('output_token_source')}")
+
+
+def aiperf_command(aiperf: Path, server: Server, run: Run, prompts_file: Path, tok_dir: Path,
+                   artifacts: Path) -> list[str]:
+    return [str(aiperf), "profile", "--model", "smollm2", "--url", server.url, "--endpoint-type", "completions",
+            "--streaming", "--tokenizer", str(tok_dir), "--input-file", str(prompts_file),
+            "--custom-dataset-type", "single_turn", "--extra-inputs", "ignore_eos:true",
+            "--extra-inputs", "temperature:0", "--extra-inputs", "top_p:1",
+            "--concurrency", str(run.concurrency), "--request-count", str(run.requests),
+            "--warmup-request-count", str(run.warmup), "--random-seed", str(SEED), "--ui-type", "none",
+            "--artifact-dir", str(artifacts), "--max-workers", "1", "--record-processor-service-count", "1",
+            "--no-server-metrics", "--use-server-token-count"]
+
+
+def aiperf_env_vars() -> dict[str, str]:
+    """AIPerf's environment: its pooled connections kept idle no longer than ours are (3 s), under
+    llama-server's 5 s (cpp-httplib's keep-alive timeout); AIPerf's default, 300 s, reuses
+    connections the server has closed, and the request fails ("Can not write request body")."""
+    from bench_client.openai_http import KEEPALIVE_TIMEOUT_S
+
+    return {**os.environ, "AIPERF_HTTP_KEEPALIVE_TIMEOUT": str(int(KEEPALIVE_TIMEOUT_S))}
+
+
+def _stat(summary: dict, key: str, stat: str) -> float | None:
+    value = summary.get(key, {})
+    return value.get(stat) if isinstance(value, dict) else None
+
+
+def run_aiperf(aiperf: Path, server: Server, run: Run, work: Path, prompts_file: Path, tok_dir: Path,
+               core: int) -> Figures:
+    work.mkdir(parents=True)
+    cmd = ["taskset", "-c", str(core), *aiperf_command(aiperf, server, run, prompts_file, tok_dir, work / "artifacts")]
+    (work / "command.txt").write_text(f"AIPERF_HTTP_KEEPALIVE_TIMEOUT={aiperf_env_vars()['AIPERF_HTTP_KEEPALIVE_TIMEOUT']} "
+                                      + " ".join(cmd) + "\n")
+    run_step(f"AIPerf c={run.concurrency}", cmd, cwd=work, env=aiperf_env_vars())
+    summary = json.loads((work / "artifacts" / "profile_export_aiperf.json").read_text())
+    records = summary.get("records", summary)  # the metrics: under "records" in 0.13.0
+    return Figures("AIPerf", {
+        "TTFT p50 ms": _stat(records, "time_to_first_token", "p50"),
+        "TPOT p50 ms": _stat(records, "inter_token_latency", "p50"),
+        "ITL p50 ms": _stat(records, "inter_chunk_latency", "p50"),
+        "output tok/s": _stat(records, "output_token_throughput", "avg"),
+        "E2EL p50 ms": _stat(records, "request_latency", "p50"),
+        "output tokens/request": _stat(records, "output_sequence_length", "avg"),
+        "duration s": _stat(records, "benchmark_duration", "avg"),
+        "completed": _stat(records, "request_count", "avg"),
+        "failed": _stat(records, "error_request_count", "avg") or 0,
+        "retries": None, "server prompt_n": None,
+    }, note="output tokens from usage (--use-server-token-count)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+
+
+JUDGED = ("TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms", "output tok/s")
+SHOWN = ("E2EL p50 ms", "output tokens/request", "duration s", "completed", "failed", "retries", "server prompt_n")
+
+
+def agrees(ours: float | None, theirs: float | None) -> bool:
+    return ours is not None and theirs is not None and ours > 0 and abs(theirs / ours - 1.0) <= TOLERANCE
+
+
+def table(run: Run, ours: Figures, theirs: Figures) -> tuple[list[str], bool]:
+    """The lines of one concurrency's table, and whether every judged figure agrees."""
+    def fmt(v: float | None) -> str:
+        return "-" if v is None else f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
+
+    lines = [f"c={run.concurrency}: {run.requests} requests (+{run.warmup} warmup), {run.prompt_tokens} prompt "
+             f"tokens, {run.output_tokens} output, ignore_eos, greedy",
+             f"  {'metric':<24}{'ours':>12}{'AIPerf':>12}{'ratio':>9}  within 10%?"]
+    ok = True
+    for name in (*JUDGED, *SHOWN):
+        a, b = ours.values.get(name), theirs.values.get(name)
+        ratio = f"{b / a:.3f}" if a and b is not None else "-"
+        verdict = ("yes" if agrees(a, b) else "NO") if name in JUDGED else ""
+        ok = ok and (verdict != "NO")
+        lines.append(f"  {name:<24}{fmt(a):>12}{fmt(b):>12}{ratio:>9}  {verdict}")
+    for f in (ours, theirs):
+        busy = "?" if f.others_busy_cores is None else f"{f.others_busy_cores:.2f}"
+        flag = " *" if f.others_busy_cores is not None and f.others_busy_cores > CONTENDED else ""
+        lines.append(f"  {f.client}: {f.note}; {f.wall_s:.0f} s wall; other processes {busy} cores busy{flag}")
+    return lines, ok
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+
+
+def requests_at(concurrency: int, args: argparse.Namespace) -> int:
+    if args.requests:
+        return args.requests
+    return max(8, 2 * concurrency) if args.short else max(24, 4 * concurrency)
+
+
+def cores() -> tuple[int, int]:
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2 or not shutil.which("taskset"):
+        raise CrosscheckError(f"needs 2 cores and taskset (the server on one, each client on the other); "
+                              f"allowed cores {allowed}, taskset {shutil.which('taskset')}")
+    return allowed[0], allowed[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--short", action="store_true", help="the CI form: 8 requests at c=1, 16 at c=8")
+    ap.add_argument("--requests", type=int, default=0, help="measured requests per concurrency (default 24 at "
+                    "c=1, 4 x c above; --short: 8, 2 x c)")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCIES)), help="comma-separated (default 1,8)")
+    ap.add_argument("--server-nice", type=int, default=0, help="the server's niceness (default 0); on a machine "
+                    "others share, a negative one (root) keeps their processes off its core")
+    ap.add_argument("--out", type=Path, default=None, help="work directory (default: a new one under /tmp)")
+    ap.add_argument("--cache", type=Path, default=None, help=f"AIPerf's venv and the tokenizer (default {default_cache()})")
+    args = ap.parse_args(argv)
+    args.concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if not args.concurrencies or min(args.concurrencies) < 1 or max(args.concurrencies) > SLOTS or args.requests < 0:
+        ap.error(f"--concurrency: 1..{SLOTS} each; --requests >= 1")
+    if args.prompt_tokens < 1 or args.output_tokens < 2:
+        ap.error("--prompt-tokens >= 1 and --output-tokens >= 2 (TPOT needs two tokens)")
+    work = args.out or Path(tempfile.mkdtemp(prefix="aiperf-crosscheck-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        all_ok, contended = crosscheck(args, work, args.cache or default_cache())
+    except (CrosscheckError, FileNotFoundError) as err:  # PeerMissing is a FileNotFoundError
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    verdict = "all judged figures agree within 10%" if all_ok else "DISAGREEMENT: see the rows marked NO"
+    if contended:
+        verdict += f" (* other processes kept over {CONTENDED} cores busy: rerun on a quiet machine)"
+    print(f"{verdict} ({time.monotonic() - t0:.0f} s)")
+    return 0 if all_ok else 1
+
+
+def crosscheck(args: argparse.Namespace, work: Path, cache: Path) -> tuple[bool, bool]:
+    """Each concurrency's table printed as it ends; (every judged figure agrees, any run contended)."""
+    server_core, client_core = cores()
+    peers.llama_server()  # PeerMissing before anything is installed
+    aiperf, tok_dir = aiperf_env(cache), tokenizer_dir(cache)
+    runs = [Run(c, requests_at(c, args), 1, args.prompt_tokens, args.output_tokens) for c in args.concurrencies]
+    prompts = make_prompts(tok_dir, max(r.requests for r in runs), args.prompt_tokens)
+    ctx = SLOTS * -(-(args.prompt_tokens + args.output_tokens + 16) // 256) * 256
+    print(f"AIPerf {AIPERF_VERSION} against the bench client, llama-server (SmolLM2-135M Q4_1) on core {server_core} "
+          f"(1 thread, -b {BATCH}), each client on core {client_core}; work dir {work}\n"
+          "ratio = AIPerf / ours; judged: TTFT, TPOT (AIPerf's inter_token_latency), ITL (its inter_chunk_latency), "
+          "output tok/s\n", flush=True)
+    all_ok, contended = True, False
+    with Server(server_core, ctx, work / "llama-server.log", nice=args.server_nice) as server:
+        counts = server.token_counts(prompts)
+        if set(counts) != {args.prompt_tokens}:
+            log(f"warning: the server makes {sorted(set(counts))} tokens of the prompts, not {args.prompt_tokens}")
+        for run in runs:
+            base = _fresh(work / f"c{run.concurrency}")
+            ours_file, aiperf_file = write_prompt_files(base, prompts[:run.requests], run.output_tokens)
+            ours = timed(f"ours c={run.concurrency}", server, run_ours,
+                         server, run, base / "ours", ours_file, tok_dir, client_core)
+            theirs = timed(f"AIPerf c={run.concurrency}", server, run_aiperf,
+                           aiperf, server, run, base / "aiperf", aiperf_file, tok_dir, client_core)
+            lines, ok = table(run, ours, theirs)
+            print("\n".join(lines) + "\n", flush=True)
+            all_ok = all_ok and ok
+            contended = contended or any(f.others_busy_cores is not None and f.others_busy_cores > CONTENDED
+                                         for f in (ours, theirs))
+    return all_ok, contended
+
+
+def _fresh(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=False)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())
