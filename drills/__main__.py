@@ -10,12 +10,13 @@ from collections.abc import Callable
 
 import grpc
 
-from drills import compose, crash, drain, fuzz, http_peer, overload, readers, replicas, seqfaults
+from drills import compose, crash, drain, fuzz, fuzz_http, http_peer, overload, readers, replicas, seqfaults
 from drills.common import note
 from drills.row import Row, markdown_table
 
 DRILLS: dict[str, Callable[[bool], Row]] = {
     fuzz.NAME: fuzz.run,
+    fuzz_http.NAME: fuzz_http.run,
     overload.NAME: overload.run,
     readers.NAME: readers.run,
     crash.NAME: crash.run,
