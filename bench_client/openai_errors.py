@@ -64,6 +64,7 @@ from __future__ import annotations
 import datetime
 import email.utils
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -146,7 +147,7 @@ def read_error_body(body: bytes | str | Mapping[str, Any] | None) -> ErrorBody:
         text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else (body or "")
         try:
             parsed = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
             return ErrorBody(_cut(text.strip()) or "(empty body)")
     if not isinstance(parsed, Mapping):
         return ErrorBody(_cut(text.strip()) or "(empty body)")
@@ -304,7 +305,8 @@ def retry_after(headers: Mapping[str, str], *, now: datetime.datetime | None = N
         return None
     value = value.strip()
     if re.fullmatch(r"\d+(?:\.\d+)?", value):
-        return float(value)
+        seconds = float(value)
+        return seconds if math.isfinite(seconds) else None  # hundreds of digits: no delay anyone meant
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError):
@@ -342,6 +344,8 @@ def _dump(value: Any) -> str:
         return json.dumps(value, default=str)
     except (TypeError, ValueError):
         return str(value)
+    except RecursionError:  # nested deeper than the encoder goes (and repr would go)
+        return f"(a {type(value).__name__} nested too deep to show)"
 
 
 def json_str(value: Any) -> str | None:
@@ -358,6 +362,8 @@ def json_int(value: Any) -> int | None:
         return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    if isinstance(value, str) and value.isdecimal():  # not isdigit: "²".isdigit(), and int("²") fails
+    if isinstance(value, str) and value.isdecimal() and len(value) <= 18:
+        # not isdigit: "²".isdigit(), and int("²") fails; at most 18 digits: no count or code is longer,
+        # and int() refuses a string of thousands
         return int(value)
     return None

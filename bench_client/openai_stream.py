@@ -22,6 +22,7 @@ out (pure; the HTTP adapter, bench_client/openai_http.py, feeds it the events as
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -56,7 +57,7 @@ class StreamReader:
             return self.end()
         try:
             message = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the decoder goes
             raise malformed_event(event.data, "data is not JSON") from None
         if not isinstance(message, Mapping):
             raise malformed_event(event.data, "data is not a JSON object")
@@ -123,8 +124,8 @@ class StreamReader:
         prompt_tokens = json_int(usage.get("prompt_tokens"))
         details = usage.get("prompt_tokens_details")
         cached = json_int(details.get("cached_tokens")) if isinstance(details, Mapping) else None
-        if cached is None and timings is not None and "cache_n" in timings:
-            cached = int(timings["cache_n"])
+        if cached is None and self._timings is not None:
+            cached = json_int(self._timings.get("cache_n"))
         self.usage_input_tokens = prompt_tokens
         self.cached_tokens = cached
         return [Chunk(
@@ -162,6 +163,17 @@ def finish_reason(choice: Mapping[str, Any]) -> str | None:
 
 
 def _numbers(value: Mapping[str, Any] | None) -> dict[str, float] | None:
+    """The finite numbers of a `timings` object (NaN, Infinity and integers past a float's range are
+    no figures)."""
     if not value:
         return None
-    return {k: float(v) for k, v in value.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    numbers: dict[str, float] = {}
+    for key, item in value.items():
+        if isinstance(item, int | float) and not isinstance(item, bool):
+            try:
+                number = float(item)
+            except OverflowError:  # an integer of hundreds of digits
+                continue
+            if math.isfinite(number):
+                numbers[key] = number
+    return numbers
