@@ -98,14 +98,12 @@ class _Blocks:
         self._stream = stream
         self.buf = ""
         self.pos = 0
-        self.eof = False
         self._lines_before = 0  # newlines in the text dropped from buf
 
     def more(self) -> bool:
         """Read one more block (dropping what was consumed); False at the end of the stream."""
         block = self._stream.read(READ_BLOCK_CHARS)
         if not block:
-            self.eof = True
             return False
         self._lines_before += self.buf.count("\n", 0, self.pos)
         self.buf = self.buf[self.pos:] + block

@@ -19,6 +19,7 @@ from bench_client.datasets import (
     NEIGHBOURS,
     DatasetError,
     JsonlRequest,
+    ShareGPTConversation,
     ShareGPTRead,
     is_valid_sequence,
     jsonl_items,
@@ -517,3 +518,217 @@ async def test_counts_must_not_be_negative(tmp_path: Path) -> None:
         await sharegpt_items(Words(), count=-1, seed="s")
     with pytest.raises(ValueError, match=r"^count must be >= 0, got -1$"):
         await jsonl_items([JsonlRequest(1, prompt="a")], Words(), count=-1, seed="s")
+
+
+# ---------------------------------------------------------------------------------------------
+# Found by mutation testing (docs/mutation-testing.md). `read_sharegpt()` of the packaged file is
+# memoized in the process that mutmut forks its mutants from, so the ShareGPT parser's own paths are
+# pinned here on small texts, read with `parse`.
+
+
+def test_human_first_turns_missing_ids_compact_arrays_and_leading_whitespace() -> None:
+    elements = [conversation("p1", "a1", id="x"),
+                {"conversations": [{"from": "human", "value": "p2"}, {"value": "a2"}]},
+                {"id": 7, "conversations": [{"value": "p3"}, {"from": "human", "value": "a3"}]}]
+    text = " \n\t" + json.dumps(elements, separators=(",", ":"))  # no space after a comma
+    assert parse(text) == ShareGPTRead((ShareGPTConversation("x", "p1", "a1", True),
+                                        ShareGPTConversation("", "p2", "a2", True),
+                                        ShareGPTConversation("7", "p3", "a3", False)), 3, False, "s.json")
+
+
+@pytest.mark.parametrize(("text", "read"), [
+    ("[", 0),  # the end right after the opening bracket
+    ('[{"id": "a"},\n', 1),  # ... after a comma
+    ('[{"id": "a"}, {"id": "b", "conv', 1),  # ... inside an element
+    ('[{"id": "a"}', 1),  # ... after an element
+    ('[{"id": "a"}  \n', 1),
+])
+def test_every_torn_tail_keeps_the_count_and_the_source(text: str, read: int) -> None:
+    assert parse(text) == ShareGPTRead((), read, True, "s.json")
+
+
+def test_a_decode_error_within_16_characters_of_the_end_is_a_torn_tail() -> None:
+    head = '[{"id": "a"}, {"id": "b" '  # "Expecting ',' delimiter" at character 25, the '"' after it
+    assert parse(head + '"c": 1}' + " " * 8 + "]") == ShareGPTRead((), 1, True, "s.json")  # 16 characters from it
+    with pytest.raises(DatasetError) as caught:
+        parse(head + '"c": 1}' + " " * 9 + "]")  # 17
+    assert str(caught.value) == ("dataset file 's.json' element 2 (line 1): not valid JSON: Expecting ',' delimiter "
+                                 "(line 1)")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('\n[\n  {"id": "a"},\n\n  {"id": "b",\n   "conversations":\n   [,]},\n  {"id": "c"},\n  {"id": "d"}\n]',
+     "dataset file 's.json' element 2 (line 5): not valid JSON: Expecting value (line 7)"),
+    ('\n[\n  {"id": "a"}\n\n  {"id": "b"},\n  {"id": "c"},\n  {"id": "d"}\n]',
+     "dataset file 's.json' line 5: expected ',' or ']' after element 1, got '{'"),
+    ('\n\n[\n\n  "' + "x" * 30 + '",\n  {"id": "c"}\n]',
+     "dataset file 's.json' element 1 (line 5): must be an object, got \"" + "x" * 30 + '"'),
+])
+def test_lines_are_counted_across_blocks_of_any_size(monkeypatch: pytest.MonkeyPatch, text: str,
+                                                     message: str) -> None:
+    for block in [*range(1, 41), 1 << 20]:
+        monkeypatch.setattr(datasets, "READ_BLOCK_CHARS", block)
+        with pytest.raises(DatasetError) as caught:
+            parse(text)
+        assert str(caught.value) == message, block
+
+
+def test_the_file_is_never_read_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Reads(io.BytesIO):
+        """A binary stream that records the size of every read (-1: the rest of the stream)."""
+
+        def __init__(self, data: bytes) -> None:
+            super().__init__(data)
+            self.sizes: list[int | None] = []
+
+        def read(self, size: int | None = -1) -> bytes:
+            self.sizes.append(size)
+            return super().read(size)
+
+        def read1(self, size: int | None = -1) -> bytes:
+            self.sizes.append(size)
+            return super().read1(size)
+
+    monkeypatch.setattr(datasets, "READ_BLOCK_CHARS", 1000)
+    stream = Reads(sharegpt_text([conversation("p" * 50, "a", id=str(i)) for i in range(200)]).encode())
+    assert parse_sharegpt(stream, "s.json").read == 200
+    assert stream.sizes and all(size is not None and size > 0 for size in stream.sizes), stream.sizes
+
+
+def test_refusals_cut_what_they_quote_at_80_characters(tmp_path: Path) -> None:
+    long = "x" * 100
+    quoted = json.dumps(long)[:80]
+    for text, message in [
+        (f"[{json.dumps(long)}]", f"element 1 (line 1): must be an object, got {quoted}"),
+        (json.dumps([{"conversations": long}]), f"element 1 (line 1): conversations must be a list, got {quoted}"),
+        (json.dumps([{"conversations": [{"value": "p"}, long]}]),
+         f"element 1 (line 1): conversations[1] must be an object with a string \"value\", got {quoted}"),
+    ]:
+        with pytest.raises(DatasetError) as caught:
+            parse(text)
+        assert str(caught.value) == f"dataset file 's.json' {message}"
+    numbers = list(range(40))
+    cut = json.dumps(numbers)[:80]
+    for line, message in [
+        (json.dumps(numbers), f"must be a JSON object, got {cut}"),
+        (json.dumps({"prompt": numbers}), f"prompt must be a non-empty string, got {cut}"),
+        (json.dumps({"messages": long}), f"messages must be a non-empty list, got {quoted}"),
+        (json.dumps({"messages": [long]}), f'messages[0] must be an object with "role" and "content", got {quoted}'),
+        (json.dumps({"messages": [{"role": "user", "content": numbers}]}),
+         f"messages[0].content must be a string, got {cut}"),
+    ]:
+        path = write_lines(tmp_path / "long.jsonl", line)
+        with pytest.raises(DatasetError) as caught:
+            read_jsonl(path)
+        assert str(caught.value) == f"dataset file {str(path)!r} line 1: {message}"
+
+
+def test_smaller_edges() -> None:
+    assert not is_valid_sequence(4, 3)  # the output is checked unless it is fixed
+    assert sample_lengths(1, 0.0, 3, random.Random(0)) == [1, 1, 1]
+
+
+async def test_no_request_asked_for(filter_file: Path) -> None:
+    assert await sharegpt_items(Words(), count=0, seed="s", path=filter_file) == []
+    with pytest.raises(ValueError) as caught:
+        await jsonl_items([], Words(), count=1, seed="x")
+    assert str(caught.value) == "jsonl_items needs at least one request"
+
+
+async def test_the_default_prefix_group_is_0(smollm2: LocalTokenizer) -> None:
+    (default,) = await random_items(smollm2, lengths=[30], seed="s", prefix_tokens=10)
+    (group0,) = await random_items(smollm2, lengths=[30], seed="s", prefix_tokens=10, prefix_group=0)
+    (group1,) = await random_items(smollm2, lengths=[30], seed="s", prefix_tokens=10, prefix_group=1)
+    assert default == group0 != group1
+
+
+def test_corpus_takes_continue_through_the_pieces_in_order() -> None:
+    pieces = ["one", "two", "three"]
+    start = random.Random("c").randrange(3)
+    stream = "".join(pieces[(start + k) % 3] + "\n\n" for k in range(12))
+    corpus = datasets._Corpus(pieces, random.Random("c"))
+    takes = [corpus.take(n) for n in (2, 5, 7, 1, 30)]
+    assert [len(t) for t in takes] == [2, 5, 7, 1, 30]
+    assert "".join(takes) == stream[:45]
+
+
+class Chars:
+    """A token a character; it counts its encodes."""
+
+    name = "chars"
+    vocab_size = None
+    special_ids: frozenset[int] = frozenset()
+    can_decode = False
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def encode(self, text: str) -> list[int]:
+        self.calls += 1
+        return [ord(c) for c in text]
+
+    def decode(self, ids: object) -> str:
+        raise TypeError
+
+
+async def test_exact_text_asks_for_what_the_length_still_needs() -> None:
+    asked: list[int] = []
+
+    def exact(n: int) -> str:  # exactly the length asked for, less the 4 tokens of margin
+        asked.append(n)
+        return "x" * (n - 4)
+
+    assert await datasets._exact_text(Chars(), "ab", 2, 10, exact) == ("ab" + "x" * 8, [ord("a"), ord("b")] + [120] * 8)
+    assert asked == [12]  # length - head_tokens + 4; the length reached: no more text
+    asked.clear()
+
+    def half(n: int) -> str:
+        asked.append(n)
+        return "y" * (n // 2)
+
+    text, _ = await datasets._exact_text(Chars(), "ab", 2, 10, half)
+    assert text == "ab" + "y" * 8
+    assert asked == [12, 6]  # 6 y's give 8 tokens: 10 - 8 + 4 more
+
+
+class Table:
+    """A tokenizer whose count for a text depends on its length alone, from a table."""
+
+    name = "table"
+    vocab_size = None
+    special_ids: frozenset[int] = frozenset()
+    can_decode = False
+
+    def __init__(self, counts: dict[int, int]) -> None:
+        self._counts = counts
+
+    async def encode(self, text: str) -> list[int]:
+        return [0] * self._counts[len(text)]
+
+    def decode(self, ids: object) -> str:
+        raise TypeError
+
+
+@pytest.mark.parametrize(("fives", "found"), [
+    ((9,), 9),  # the binary search's answer
+    ((10,), 10),  # the first cut after it
+    ((13,), 13),  # the last (NEIGHBOURS after it)
+    ((14,), None),  # one further is not tried
+    ((7,), 7),  # the first cut before the search's lower bound
+    ((7, 11), 11),  # the cuts after the answer are tried first
+    ((5,), 5),  # the last before it (NEIGHBOURS, from the lower bound 8)
+    ((4,), None),
+])
+async def test_cut_tries_the_neighbours_in_order(fives: tuple[int, ...], found: int | None) -> None:
+    """16 characters, 5 tokens wanted: the search probes 8 (4 tokens), 12, 10 and 9 (6 each) and
+    ends between 8 and 9; then it tries 9, 10..13 and 8..5, and takes the first of 5 tokens."""
+    counts = {c: 4 if c <= 8 else 6 for c in range(17)}
+    counts.update(dict.fromkeys(fives, 5))
+    text = "a" * 16
+    assert await datasets._cut(Table(counts), text, 0, 5) == (text[:found] if found is not None else None)
+
+
+def test_only_whitespace_is_skipped_before_the_array() -> None:
+    with pytest.raises(DatasetError) as caught:
+        parse("X[]")
+    assert str(caught.value) == "dataset file 's.json' does not start with a JSON array (it starts with 'X')"

@@ -210,3 +210,17 @@ def test_the_servers_own_counts_and_timings_beside_the_clients() -> None:
     assert point.server_timings_mean == {"cache_n": 1.0, "predicted_n": 3.0, "prompt_ms": 15.0}
     assert list(point.server_timings_mean) == ["cache_n", "predicted_n", "prompt_ms"]
     assert compute([silent], duration_s=1.0).server_timings_mean == {}
+
+
+def test_every_summary_of_a_point_has_the_configured_percentiles() -> None:
+    # found by `make mutate`: compute dropping `percentiles` for one summary passed every test
+    a = timeline(0.0, (0.1, 1), (0.3, 1), (0.4, 1), engine_queue_s=0.01, engine_ttft_s=0.05)
+    b = timeline(0.0, (0.2, 1), (0.6, 1), engine_queue_s=0.03, engine_ttft_s=0.15)
+    m = compute([a, b], duration_s=1.0, percentiles=(0.0, 100.0))
+    # ITL gaps (ms): a 200, 100; b 400. TPOT: a 150, b 400
+    expected = {"ttft_ms": (100.0, 200.0), "tpot_ms": (150.0, 400.0), "itl_ms": (100.0, 400.0),
+                "e2el_ms": (400.0, 600.0), "engine_queue_ms": (10.0, 30.0), "engine_ttft_ms": (50.0, 150.0)}
+    for name, (low, high) in expected.items():
+        summary = getattr(m, name)
+        assert list(summary.percentiles) == ["0", "100"], name
+        assert summary.percentiles["0"] == pytest.approx(low) and summary.percentiles["100"] == pytest.approx(high)

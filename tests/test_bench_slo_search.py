@@ -64,3 +64,22 @@ def test_bounded_and_the_answer_is_a_met_probe_below_every_miss(capacity: float,
 @pytest.mark.parametrize("done", [[Probe(16.0, 1.0)], [Probe(16.0, 0.0), Probe(1.0, 0.0)]])
 def test_a_finished_search_asks_for_nothing(done: list[Probe]) -> None:
     assert next_probe(SearchConfig(over=REQUEST_RATE, low=1.0, high=16.0), done) is None
+
+
+# Found by mutation testing (docs/mutation-testing.md).
+
+
+def test_a_middle_that_rounds_to_the_first_miss_ends_the_search() -> None:
+    search = SearchConfig(over=REQUEST_RATE, low=9.9991, high=10.0, steps=6)
+    # sqrt(9.9991 * 10) = 9.99955, which 4 significant digits make 10: nothing left between
+    assert next_probe(search, [Probe(10.0, 0.5), Probe(9.9991, 1.0)]) is None
+
+
+def test_the_first_miss_is_above_the_best() -> None:
+    search = SearchConfig(over=REQUEST_RATE, low=1.0, high=16.0, steps=6)
+    # a server that missed at 4 but met at 8 (noise): the misses below the best do not count
+    result = result_of(search, [Probe(16.0, 0.5), Probe(1.0, 1.0), Probe(4.0, 0.5), Probe(8.0, 1.0)])
+    assert (result.best, result.first_miss, result.probes) == (8.0, 16.0, 4)
+    # a value that met once and missed once is the best, not a miss above it
+    result = result_of(search, [Probe(16.0, 0.5), Probe(1.0, 1.0), Probe(4.0, 1.0), Probe(4.0, 0.5)])
+    assert (result.best, result.first_miss) == (4.0, 16.0)

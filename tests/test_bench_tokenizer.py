@@ -177,3 +177,42 @@ def test_an_unreadable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ConfigError) as caught:
         load_tokenizer(str(path), base_dir=tmp_path)
     assert str(caught.value) == f"tokenizer {str(path)!r} {REFUSAL}{str(path)!r} cannot be read: [Errno 13] Permission denied"
+
+
+# Found by mutation testing (docs/mutation-testing.md).
+
+
+def test_vocab_size_counts_added_tokens_outside_the_model(tmp_path: Path) -> None:
+    path = write_tokenizer_json(tmp_path / "tokenizer.json")
+    raw = Tokenizer.from_file(str(path))
+    raw.add_special_tokens(["<tool>"])  # id 300: past the model's 300 ids
+    raw.save(str(path))
+    tokenizer = load_tokenizer(str(path), base_dir=tmp_path)
+    assert (raw.get_vocab_size(with_added_tokens=False), tokenizer.vocab_size) == (300, 301)
+    assert tokenizer.special_ids == frozenset({0, 1, 2, 300})
+
+
+def test_a_checkpoint_folder_with_a_bad_tokenizer_json_is_named(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "tokenizer.json").write_text("not json")
+    with pytest.raises(ConfigError) as caught:
+        load_tokenizer("ckpt", base_dir=tmp_path)
+    assert str(caught.value).startswith(f"tokenizer 'ckpt' {REFUSAL}'{tmp_path}/ckpt/tokenizer.json' is not a "
+                                        f"tokenizers file: ")
+
+
+def test_smollm2_names_its_preset_and_the_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = tmp_path / "m.gguf"
+    bad.write_bytes(b"GGUF" + bytes(8))
+    asked: list[str] = []
+
+    class Packaged:
+        def locate(self, preset: str) -> Path:
+            asked.append(preset)
+            return bad
+
+    monkeypatch.setitem(PACKAGED, "smollm2", Packaged())
+    with pytest.raises(ConfigError) as caught:
+        load_tokenizer("smollm2", base_dir=Path("."))
+    assert asked == ["smollm2"]
+    assert str(caught.value).startswith(f"tokenizer 'smollm2' {REFUSAL}GGUF file '{bad}'"), str(caught.value)
