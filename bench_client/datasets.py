@@ -33,10 +33,11 @@ caller logs what it chose (a torn ShareGPT tail, a dataset's size).
 
 from __future__ import annotations
 
-import io
+import codecs
 import json
 import math
 import random
+import re
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -92,19 +93,25 @@ class ShareGPTRead:
 
 
 class _Blocks:
-    """A text stream read in blocks: `buf[pos:]` is what is not yet consumed."""
+    """A UTF-8 byte stream read in blocks and decoded as it goes: `buf[pos:]` is what is not yet
+    consumed. A stream cut inside a character ends before that character (a torn file is cut by
+    bytes); invalid UTF-8 anywhere else raises UnicodeDecodeError."""
 
-    def __init__(self, stream: io.TextIOBase) -> None:
+    def __init__(self, stream: BinaryIO) -> None:
         self._stream = stream
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
         self.buf = ""
         self.pos = 0
         self._lines_before = 0  # newlines in the text dropped from buf
 
     def more(self) -> bool:
         """Read one more block (dropping what was consumed); False at the end of the stream."""
-        block = self._stream.read(READ_BLOCK_CHARS)
-        if not block:
-            return False
+        block = ""
+        while not block:  # a block of only a character's first bytes decodes to nothing yet
+            raw = self._stream.read(READ_BLOCK_CHARS)
+            if not raw:
+                return False  # what the decoder still holds is a character the cut left incomplete
+            block = self._decoder.decode(raw)
         self._lines_before += self.buf.count("\n", 0, self.pos)
         self.buf = self.buf[self.pos:] + block
         self.pos = 0
@@ -125,9 +132,28 @@ class _Blocks:
         return self._lines_before + self.buf.count("\n", 0, self.pos if at is None else at) + 1
 
 
+def _unreadable(err: ValueError | RecursionError) -> str:
+    """Why valid-looking JSON could not be read: Python's limits on integer digits and on nesting."""
+    if isinstance(err, RecursionError):
+        return "nested deeper than the reader goes"
+    return f"{str(err).split(';')[0]}"
+
+
 def _ran_out(err: json.JSONDecodeError, end: int) -> bool:
-    """Whether the decoder failed because the text ended (more text could complete it)."""
+    """Whether the decoder may have failed because the block ended (more text could complete it)."""
     return err.msg.startswith("Unterminated string") or err.pos >= end - 16
+
+
+_CUT_VALUE = re.compile(r"-?[0-9]*(\.[0-9]*)?([eE][-+]?[0-9]*)?|t(r(ue?)?)?|f(a(l(se?)?)?)?|n(u(ll?)?)?")
+
+
+def _cut_short(err: json.JSONDecodeError, text: str) -> bool:
+    """At the end of the text: whether the decoder failed because the text stopped (a string, a
+    number or a literal left unfinished, or nothing after the error's place), not at a character
+    that no JSON could have there (a trailing comma's '}')."""
+    if err.msg.startswith("Invalid \\uXXXX escape"):  # a \u escape cut before its 4 hex digits
+        return len(text) - err.pos <= 5
+    return err.msg.startswith("Unterminated string") or _CUT_VALUE.fullmatch(text[err.pos:].strip()) is not None
 
 
 def _turn_value(turns: list[Any], index: int) -> tuple[str, str]:
@@ -158,7 +184,7 @@ def parse_sharegpt(stream: BinaryIO, source: str) -> ShareGPTRead:
     """A ShareGPT JSON array read one element at a time (never the whole text at once), up to its
     end or to a torn tail: `torn` when the text ends inside the array. Any other malformed text is a
     DatasetError naming `source`, the element and its line."""
-    text = _Blocks(io.TextIOWrapper(stream, encoding="utf-8"))
+    text = _Blocks(stream)
     decoder = json.JSONDecoder()
     conversations: list[ShareGPTConversation] = []
     read = 0
@@ -179,11 +205,15 @@ def parse_sharegpt(stream: BinaryIO, source: str) -> ShareGPTRead:
                     element, end = decoder.raw_decode(text.buf, text.pos)
                     break
                 except json.JSONDecodeError as err:
-                    if not _ran_out(err, len(text.buf)):
+                    if _ran_out(err, len(text.buf)) and text.more():
+                        continue  # the element goes on in the next block
+                    if not _ran_out(err, len(text.buf)) or not _cut_short(err, text.buf):
                         raise DatasetError(f"dataset file {source!r} element {read + 1} (line {text.line()}): not "
                                            f"valid JSON: {err.msg} (line {text.line(err.pos)})") from err
-                    if not text.more():
-                        return ShareGPTRead(tuple(conversations), read, True, source)
+                    return ShareGPTRead(tuple(conversations), read, True, source)
+                except (ValueError, RecursionError) as err:  # a number past 4,300 digits; too deep
+                    raise DatasetError(f"dataset file {source!r} element {read + 1} (line {text.line()}): not "
+                                       f"JSON that Python reads: {_unreadable(err)}") from err
             read += 1
             try:
                 conversation = _conversation(element)
@@ -293,6 +323,8 @@ def _jsonl_request(line: int, raw: str, where: str) -> JsonlRequest:
         value = json.loads(raw)
     except json.JSONDecodeError as err:
         raise DatasetError(f"{where}: not JSON: {err.msg} (column {err.colno})") from err
+    except (ValueError, RecursionError) as err:  # a number past 4,300 digits; nested too deep
+        raise DatasetError(f"{where}: not JSON that Python reads: {_unreadable(err)}") from err
     if not isinstance(value, dict):
         raise DatasetError(f"{where}: must be a JSON object, got {raw.strip()[:80]}")
     unknown = sorted(set(value) - set(JSONL_KEYS))

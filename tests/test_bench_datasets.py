@@ -547,13 +547,56 @@ def test_every_torn_tail_keeps_the_count_and_the_source(text: str, read: int) ->
     assert parse(text) == ShareGPTRead((), read, True, "s.json")
 
 
-def test_a_decode_error_within_16_characters_of_the_end_is_a_torn_tail() -> None:
+def test_at_the_end_only_a_cut_is_a_torn_tail_and_a_syntax_error_is_refused() -> None:
     head = '[{"id": "a"}, {"id": "b" '  # "Expecting ',' delimiter" at character 25, the '"' after it
-    assert parse(head + '"c": 1}' + " " * 8 + "]") == ShareGPTRead((), 1, True, "s.json")  # 16 characters from it
+    # a decode error near the end of the text is not taken for a cut: the text goes on after it
+    for pad in (8, 9):
+        with pytest.raises(DatasetError) as caught:
+            parse(head + '"c": 1}' + " " * pad + "]")
+        assert str(caught.value) == ("dataset file 's.json' element 2 (line 1): not valid JSON: Expecting ',' "
+                                     "delimiter (line 1)")
+    # a trailing comma's '}' at the very end: no JSON could have it there (found by the fuzz-http drill)
+    with pytest.raises(DatasetError, match=r"element 1 \(line 1\): not valid JSON: Expecting property name"):
+        parse('[{"id": "m",}]')
+    # cut inside a value: a number, a literal, a string, an escape, or right after a key or a colon
+    for cut in ('{"id": "b", "n": -1.5e', '{"id": "b", "n": tr', '{"id": "b", "n": fal', '{"id": "b", "n": nu',
+                '{"id": "b", "n": "x\\', '{"id": "b", "n"', '{"id": "b", "n":', '{"id": "b", "n": 12'):
+        assert parse('[{"id": "a"}, ' + cut) == ShareGPTRead((), 1, True, "s.json"), cut
+
+
+def test_a_file_cut_inside_a_utf8_character_is_torn_not_refused() -> None:
+    whole = sharegpt_text([conversation("h\u00e9", "x", id="a"), conversation("h\u00e9llo", "y", id="b")]).encode()
+    cut = whole.index("\u00e9llo".encode()) + 1  # after the first of the two bytes of the second e-acute
+    for block in (1, 2, 3, 1 << 20):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(datasets, "READ_BLOCK_CHARS", block)
+            read = parse(whole[:cut])
+        assert (read.read, read.torn, [c.prompt for c in read.conversations]) == (1, True, ["h\u00e9"]), block
+    with pytest.raises(DatasetError, match="is not UTF-8 text"):  # an invalid byte elsewhere still is refused
+        parse(whole[:cut - 1] + b"\xff" + whole[cut:])
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ('[{"id": ' + "9" * 5000 + "}]", "Exceeds the limit (4300 digits) for integer string conversion"),
+    ("[" + "[" * 5000 + "]" * 5000 + "]", "nested deeper than the reader goes"),
+])
+def test_json_past_pythons_limits_is_a_dataset_error(text: str, why: str) -> None:
     with pytest.raises(DatasetError) as caught:
-        parse(head + '"c": 1}' + " " * 9 + "]")  # 17
-    assert str(caught.value) == ("dataset file 's.json' element 2 (line 1): not valid JSON: Expecting ',' delimiter "
-                                 "(line 1)")
+        parse(text)
+    assert str(caught.value).startswith("dataset file 's.json' element 1 (line 1): not JSON that Python reads: " + why)
+
+
+@pytest.mark.parametrize(("line", "why"), [
+    ('{"prompt": "y", "max_tokens": ' + "9" * 5000 + "}", "Exceeds the limit (4300 digits) for integer string "
+                                                          "conversion: value has 5000 digits"),
+    ('{"prompt": ' + "[" * 5000 + "]" * 5000 + "}", "nested deeper than the reader goes"),
+])
+def test_a_jsonl_line_past_pythons_limits_is_a_dataset_error(tmp_path: Path, line: str, why: str) -> None:
+    path = tmp_path / "big.jsonl"
+    path.write_text('{"prompt": "x"}\n' + line + "\n")
+    with pytest.raises(DatasetError) as caught:
+        read_jsonl(path)
+    assert str(caught.value) == f"dataset file {str(path)!r} line 2: not JSON that Python reads: {why}"
 
 
 @pytest.mark.parametrize(("text", "message"), [
