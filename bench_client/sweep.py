@@ -153,7 +153,8 @@ class SweepRunner:
         self.results = results
         self.progress = progress
         self._prompts, self._tokenizer = workload or open_workload(config)
-        self.search_results: list[tuple[str, PointSpec, SearchResult]] = []  # (server, base point, result)
+        # (server and engine configuration, base point, result), for the sweep's summary
+        self.search_results: list[tuple[str, PointSpec, SearchResult]] = []
         self.run_id = uuid.uuid4().hex[:8]
         self._stop_requested = False
         self._recorded = 0
@@ -204,6 +205,7 @@ class SweepRunner:
             log.error("sweep_stopped", run_id=self.run_id, message=str(stop), recorded=self._recorded,
                       results=str(self.results.path))
             return SweepResult(SweepEnd.STOPPED, str(stop), self._recorded)
+        self._searches_from_records(runs, points)
         if self._stop_requested:
             log.warning("sweep_interrupted", run_id=self.run_id, recorded=self._recorded)
             return SweepResult(SweepEnd.INTERRUPTED, "stopped on request; run again with --resume",
@@ -253,6 +255,19 @@ class SweepRunner:
                 else:
                     await self._run_search(runner, spec, server, engine, client.target, server_info)
 
+    def _searches_from_records(self, runs: list[tuple[ServerConfig, dict[str, Any] | None]],
+                               points: list[PointSpec]) -> None:
+        """The answers of the searches that an earlier run finished (this run had nothing to probe)."""
+        search = self.config.search
+        if search is None:
+            return
+        found = {(name, base) for name, base, _ in self.search_results}
+        for server, engine in runs:
+            for base in points:
+                probes, pending = self._recorded_probes(server, engine, base)
+                if pending is None and probes and (_label(server, engine), base) not in found:
+                    self.search_results.append((_label(server, engine), base, result_of(search, probes)))
+
     def _tokenizer_for(self, client: ServerClient) -> PromptTokenizer | None:
         """The workload's tokenizer, else the server's own where text has to be sized or counted."""
         w = self.config.workload
@@ -300,7 +315,7 @@ class SweepRunner:
                                           "high": search.high, "attainment": search.attainment})
         if value is None:
             result = result_of(search, probes)
-            self.search_results.append((server.name, base, result))
+            self.search_results.append((_label(server, engine), base, result))
             log.info("slo_search_done", server=server.name, point=base.tag(), over=search.over, best=result.best,
                      first_miss=result.first_miss, probes=result.probes, attainment=search.attainment,
                      slo=self.config.slo.as_dict() if self.config.slo else None)
@@ -425,6 +440,12 @@ class SweepRunner:
     def _key(self, server: ServerConfig, engine: dict[str, Any] | None, spec: PointSpec) -> PointKey:
         return PointKey(engine_key(engine), spec.context_tokens, spec.max_new_tokens, spec.concurrency,
                         spec.request_rate, spec.prefix_tokens, spec.prefix_groups, server=server.name)
+
+
+def _label(server: ServerConfig, engine: dict[str, Any] | None) -> str:
+    """A server and engine configuration as the summary names them ("" for one unnamed server)."""
+    settings = ",".join(f"{k}={v}" for k, v in sorted((engine or {}).items()))
+    return " ".join(part for part in (server.name, settings) if part)
 
 
 def _attainment(record: dict[str, Any]) -> float:

@@ -22,10 +22,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from bench_client.config import SearchConfig
+from bench_client.config import SearchConfig, parse_config
 from bench_client.point import arrival_offsets
+from bench_client.progress import SweepProgress
+from bench_client.results import ResultsDir
 from bench_client.slo_search import Probe, next_probe, result_of
-from bench_client.sweep import SweepEnd
+from bench_client.sweep import SweepEnd, SweepRunner
 from bench_client.tokenizer import LocalTokenizer, load_tokenizer
 from tests.bench_helpers import run_in_process
 from tests.tgi_fake import tgi_fake
@@ -273,6 +275,17 @@ async def test_goodput_and_the_slo_search_resumes_from_its_records(start: Start,
     again, resumed = await run_in_process(raw, tmp_path / "out", resume=True)
     assert again.end is SweepEnd.COMPLETED and len(peer.bodies) - sent_before == 8
     assert [r["concurrency"] for r in resumed.records] == [p[0] for p in probes]
+    # a finished search: nothing is sent, and the answer comes from the records
+    results = ResultsDir.open(tmp_path / "out", resume=True)
+    try:
+        with SweepProgress(enabled=False) as progress:
+            runner = SweepRunner(parse_config(raw), results, progress)
+            done = await runner.run()
+    finally:
+        results.close()
+    assert done.end is SweepEnd.COMPLETED and len(peer.bodies) - sent_before == 8
+    assert [(label, base.tag(), found.best, found.first_miss) for label, base, found in runner.search_results] == [
+        ("", "c16-n4-x8-rinf", 2, 3)]
 
 
 async def test_a_time_bounded_point_sends_no_request_after_its_duration(start: Start, smollm2: LocalTokenizer,
