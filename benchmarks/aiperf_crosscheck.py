@@ -25,11 +25,14 @@ Compared, over the measured requests (p50: the interpolated median; ratio AIPerf
   TPOT p50  ours tpot_ms            AIPerf inter_token_latency     (E2EL - TTFT) / (output tokens - 1)
   ITL p50   ours itl_ms             AIPerf inter_chunk_latency     gaps between content chunks
   tok/s     ours output_throughput  AIPerf output_token_throughput output tokens / duration
-Shown, not judged: E2EL, output tokens per request, the durations, failures, our retries and the
-prompt tokens the server ran (its timings.prompt_n). Each run reports the cores other processes
-kept busy meanwhile; over 0.25 (`*`) its figures are not fit to compare. Exit 0 when every judged
-figure is within 10%, else 1 (the table printed whenever both clients ran). `--short` (CI): 8
-requests at c=1, 16 at c=8; by default 24 and 32.
+Shown, not judged: E2EL, output tokens per request, the durations, failures, our retries, the
+prompt tokens the server ran (its timings.prompt_n), and the server's own view of each client's
+requests (medians of its logged prompt eval ms and eval ms per token): where the clients disagree
+and the server's own figures differ alike, the server was slower, not a client wrong. Each run
+reports the cores other processes kept busy meanwhile; over 0.25 (`*`) its figures are not fit
+to compare (`--server-nice -N`, as root, keeps them off the server's core, and so crowds the
+clients' core). Exit 0 when every judged figure is within 10%, else 1 (the tables are printed as
+each concurrency ends). `--short` (CI): 8 requests at c=1, 16 at c=8; by default 24 and 32.
 
 FINDINGS (AIPerf's source: site-packages/aiperf/ of its venv; llama.cpp: the vendored tree)
 - Definitions are ours: TTFT and request latency from the first and last content response
@@ -55,12 +58,17 @@ FINDINGS (AIPerf's source: site-packages/aiperf/ of its venv; llama.cpp: the ven
   (its first request rides the warmup's pooled connection, the rest connect; then that one ends a
   step early and its successor goes alone again), 3 + 5, 5 + 3, 6 + 2 for AIPerf, so TTFT and TPOT
   p50 fell in the late group for ours and the early one for AIPerf (0.72-0.77, 1.3-1.4). With -b
-  128 the server computes the prompts one an iteration whatever the split: c=8 within 4%.
+  128 the server computes the prompts one an iteration whatever the split: c=8 within 0.2-7%.
 - AIPerf's own CPU: its timing manager busy-polls while every slot is taken (timing/strategies/
   request_rate.py:316,328, yield_to_event_loop in the loop), about 0.6 of the client core; with
   other processes there too its worker reads late, several events a read (gaps of 0: ITL p50 9.5
-  against 12.0 ms at c=1). On a shared machine a busy client core also pushes other processes onto
-  the server's core (its prompt time +10% by its own timings): compare figures without `*` only.
+  against 12.0 ms at c=1). A finished request's successor leaves about 6 ms later through its
+  processes (ours: under 1 ms), nothing beside 10 s requests.
+- Other processes: pinning keeps neither client's core nor the server's to itself. A client that
+  keeps its core busy (AIPerf) pushes other processes onto the server's core: in contended runs the
+  server's own prompt and token times moved with AIPerf's figures (1.78 and 1.51 against 1.83 and
+  1.53), so both clients measured the server truly and the server was slower. Compare runs
+  without `*` only; on a quiet machine every figure agreed within 1% at c=1 and 7% at c=8.
 """
 
 from __future__ import annotations
@@ -69,9 +77,11 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -263,6 +273,17 @@ class Server:
                 proc.kill()
                 proc.wait(10)
 
+    def own_timings(self, since: int) -> dict[str, float | None]:
+        """The medians of the server's own per-request timings logged after byte `since` of its log
+        (llama-server's print_timing: prompt eval ms, and eval ms per generated token)."""
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+        prompt = [float(m) for m in re.findall(r"prompt eval time =\s*([\d.]+) ms", text)]
+        per_token = [float(m) for m in re.findall(r"\|\s+eval time =\s*[\d.]+ ms /\s*\d+ tokens \(\s*([\d.]+) ms per", text)]
+        return {"server's prompt ms p50": statistics.median(prompt) if prompt else None,
+                "server's ms/token p50": statistics.median(per_token) if per_token else None}
+
     def cpu_s(self) -> float:
         """The server's CPU seconds so far (/proc/PID/stat utime + stime)."""
         if self.proc is None:
@@ -315,10 +336,11 @@ def _children_cpu_s() -> float:
 
 def timed(step: str, server: Server, fn: Callable[..., Figures], *args: Any) -> Figures:
     """fn(*args), with the cores other processes (not the server, not our children) kept busy meanwhile."""
-    t0 = time.monotonic()
+    t0, log_at = time.monotonic(), server.log_path.stat().st_size
     with OthersBusy(step, own_cpu_s=lambda: _children_cpu_s() + server.cpu_s(), log=log) as busy:
         figures = fn(*args)
     figures.others_busy_cores, figures.wall_s = busy.cores, time.monotonic() - t0
+    figures.values.update(server.own_timings(log_at))  # the server's view of this client's requests
     return figures
 
 
@@ -402,7 +424,8 @@ def run_aiperf(aiperf: Path, server: Server, run: Run, work: Path, prompts_file:
 
 
 JUDGED = ("TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms", "output tok/s")
-SHOWN = ("E2EL p50 ms", "output tokens/request", "duration s", "completed", "failed", "retries", "server prompt_n")
+SHOWN = ("E2EL p50 ms", "output tokens/request", "duration s", "completed", "failed", "retries", "server prompt_n",
+         "server's prompt ms p50", "server's ms/token p50")
 
 
 def agrees(ours: float | None, theirs: float | None) -> bool:
