@@ -564,6 +564,13 @@ def test_at_the_end_only_a_cut_is_a_torn_tail_and_a_syntax_error_is_refused() ->
         assert parse('[{"id": "a"}, ' + cut) == ShareGPTRead((), 1, True, "s.json"), cut
 
 
+def test_at_the_end_a_bad_unicode_escape_is_a_cut_only_while_it_could_still_be_finished() -> None:
+    # "\\u" and its four hex digits are 5 characters: up to 5 from the error's place may be a cut
+    assert parse('[{"id": "a"}, {"id": "\\u00e') == ShareGPTRead((), 1, True, "s.json")
+    with pytest.raises(DatasetError, match="Invalid \\\\uXXXX escape"):
+        parse('[{"id": "a"}, {"id": "\\u00zz"')  # 6 from it: written whole, and wrong
+
+
 def test_a_file_cut_inside_a_utf8_character_is_torn_not_refused() -> None:
     whole = sharegpt_text([conversation("h\u00e9", "x", id="a"), conversation("h\u00e9llo", "y", id="b")]).encode()
     cut = whole.index("\u00e9llo".encode()) + 1  # after the first of the two bytes of the second e-acute
