@@ -245,7 +245,7 @@ async def test_goodput_and_the_slo_search_resumes_from_its_records(start: Start,
     # TTFT 100 ms per request in flight: 2 at once meet the 250 ms SLO (200 ms), 3 miss it (300 ms)
     peer = Peer(smollm2, ttft_per_request_s=0.1)
     raw = sweep(await start(peer), context_tokens=[16], max_new_tokens=[4], tokenizer="smollm2",
-                requests_per_point=8, slo={"ttft_ms": 250.0},
+                requests_per_point=4, slo={"ttft_ms": 250.0},
                 search={"over": "concurrency", "low": 1, "high": 8, "steps": 6, "attainment": 0.9})
     result, results = await run_in_process(raw, tmp_path / "out")
     assert result.end is SweepEnd.COMPLETED, result.message
@@ -273,7 +273,7 @@ async def test_goodput_and_the_slo_search_resumes_from_its_records(start: Start,
     path.write_text("\n".join(kept) + "\n")
     sent_before = len(peer.bodies)
     again, resumed = await run_in_process(raw, tmp_path / "out", resume=True)
-    assert again.end is SweepEnd.COMPLETED and len(peer.bodies) - sent_before == 8
+    assert again.end is SweepEnd.COMPLETED and len(peer.bodies) - sent_before == 4
     assert [r["concurrency"] for r in resumed.records] == [p[0] for p in probes]
     # a finished search: nothing is sent, and the answer comes from the records
     results = ResultsDir.open(tmp_path / "out", resume=True)
@@ -283,7 +283,7 @@ async def test_goodput_and_the_slo_search_resumes_from_its_records(start: Start,
             done = await runner.run()
     finally:
         results.close()
-    assert done.end is SweepEnd.COMPLETED and len(peer.bodies) - sent_before == 8
+    assert done.end is SweepEnd.COMPLETED and len(peer.bodies) - sent_before == 4
     assert [(label, base.tag(), found.best, found.first_miss) for label, base, found in runner.search_results] == [
         ("", "c16-n4-x8-rinf", 2, 3)]
 
