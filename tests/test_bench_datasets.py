@@ -47,10 +47,10 @@ def smollm2() -> LocalTokenizer:
     return load_tokenizer("smollm2", base_dir=Path("."))
 
 
-class Words:
-    """A tokenizer of words (one id a whitespace-separated word), counting its calls."""
+class Counting:
+    """A server-like tokenizer (it cannot decode) that counts its encodes; `ids` says how it splits."""
 
-    name = "words"
+    name = "counting"
     vocab_size = None
     special_ids: frozenset[int] = frozenset()
     can_decode = False
@@ -58,12 +58,24 @@ class Words:
     def __init__(self) -> None:
         self.calls = 0
 
+    def ids(self, text: str) -> list[int]:
+        raise NotImplementedError
+
     async def encode(self, text: str) -> list[int]:
         self.calls += 1
-        return [len(word) for word in text.split()]
+        return self.ids(text)
 
     def decode(self, ids: object) -> str:
-        raise TypeError("words cannot decode")
+        raise TypeError(f"{self.name} cannot decode")
+
+
+class Words(Counting):
+    """One id a whitespace-separated word."""
+
+    name = "words"
+
+    def ids(self, text: str) -> list[int]:
+        return [len(word) for word in text.split()]
 
 
 class Endpoint:
@@ -702,23 +714,13 @@ def test_corpus_takes_continue_through_the_pieces_in_order() -> None:
     assert "".join(takes) == stream[:45]
 
 
-class Chars:
-    """A token a character; it counts its encodes."""
+class Chars(Counting):
+    """A token a character."""
 
     name = "chars"
-    vocab_size = None
-    special_ids: frozenset[int] = frozenset()
-    can_decode = False
 
-    def __init__(self) -> None:
-        self.calls = 0
-
-    async def encode(self, text: str) -> list[int]:
-        self.calls += 1
+    def ids(self, text: str) -> list[int]:
         return [ord(c) for c in text]
-
-    def decode(self, ids: object) -> str:
-        raise TypeError
 
 
 async def test_exact_text_asks_for_what_the_length_still_needs() -> None:
