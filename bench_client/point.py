@@ -38,8 +38,8 @@ import structlog
 from bench_client.config import PolicyConfig, WorkloadConfig
 from bench_client.metrics import Arrival, RequestTimeline
 from bench_client.point_spec import PointSpec
-from bench_client.policy import Action, backoff_delay, decide
-from bench_client.server_api import Chunk, DecodeSpec, ServerClient, ServerInfo
+from bench_client.policy import Action, backoff_delay, decide, decide_server_info
+from bench_client.server_api import Chunk, DecodeSpec, NoTokenizeEndpoint, ServerClient, ServerInfo
 from bench_client.tokenizer import PromptTokenizer
 from bench_client.workload import PointPrompts, PointRequest
 from shared.errors import EngineError, wire_code
@@ -129,10 +129,25 @@ class PointRunner:
                             connection_resends=_resends(self.client) - resends)
 
     async def _requests(self, spec: PointSpec, *, warmup: bool, count: int) -> list[PointRequest]:
+        """The point's prompts. Sizing them may ask the server's tokenize endpoint: a failure there is
+        judged as a failed GetServerInfo is (policy.decide_server_info): wait for health and ask
+        once more, else stop the sweep, resumable."""
         if not count:
             return []
-        return await self.prompts.requests(spec, warmup=warmup, count=count, tokenizer=self.tokenizer,
-                                           server_info=self.server_info)
+        for attempt in (1, 2):
+            try:
+                return await self.prompts.requests(spec, warmup=warmup, count=count, tokenizer=self.tokenizer,
+                                                   server_info=self.server_info)
+            except EngineError as err:
+                if attempt == 2 or decide_server_info(err) is Action.STOP_SWEEP:
+                    raise SweepStopped(f"sizing the prompts of point {spec.tag()} with {self.client.target}'s "
+                                       f"tokenize endpoint failed: {wire_code(err)} {err.reason} ({err.message})"
+                                       ) from err
+            if not await self.health.wait_until_serving(self.policy.health_wait_s):
+                raise SweepStopped(f"the server at {self.client.target} was not SERVING within "
+                                   f"policy.health_wait_s={self.policy.health_wait_s:g} s while the prompts of "
+                                   f"point {spec.tag()} were sized")
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     async def _run_batch(self, spec: PointSpec, requests: Sequence[PointRequest], *, rate: float, warmup: bool,
                          duration_s: float | None = None) -> list[RequestOutcome]:
@@ -234,7 +249,12 @@ class PointRunner:
         """The answer's text counted by the sweep's tokenizer, where the server sent no usage count."""
         if not chunks or chunks[-1].completion_tokens is not None or self.tokenizer is None:
             return None
-        return len(await self.tokenizer.encode("".join(c.text for c in chunks)))
+        try:
+            return len(await self.tokenizer.encode("".join(c.text for c in chunks)))
+        except (EngineError, NoTokenizeEndpoint):
+            # The server's tokenize endpoint failed after its answer came whole: the answer stands, and
+            # is counted by its events instead (the record's output_token_source says "stream").
+            return None
 
 
 def _resends(client: ServerClient) -> int:

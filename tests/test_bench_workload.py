@@ -47,6 +47,7 @@ class Peer:
 
     tokenizer: LocalTokenizer
     tokenize: bool = True
+    tokenize_status: int = 200  # another status: /tokenize answers it with an error body
     usage: bool = True
     per_event: int = 1
     ttft_per_request_s: float = 0.0
@@ -71,6 +72,9 @@ class Peer:
         return web.json_response({"object": "list", "data": [{"id": "peer", "object": "model", "max_model_len": 4096}]})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
+        if self.tokenize_status != 200:
+            return web.json_response({"error": {"code": self.tokenize_status, "message": "tokenizer broke",
+                                                "type": "server_error"}}, status=self.tokenize_status)
         body = await request.json()
         return web.json_response({"tokens": [0] * self.tokenizer.count(body["content"])})
 
@@ -188,6 +192,16 @@ async def test_no_tokenizer_and_no_tokenize_endpoint_stops_with_what_to_do(
                                   tmp_path / "ids")
     assert ids.end is SweepEnd.STOPPED
     assert "workload.prompt_format 'token_ids' needs the vocabulary size" in ids.message
+
+
+async def test_a_failing_tokenize_endpoint_stops_the_sweep_by_the_policy(
+        start: Start, smollm2: LocalTokenizer, tmp_path: Path) -> None:
+    target = await start(Peer(smollm2, tokenize_status=500))
+    result, results = await run_in_process(sweep(target, context_tokens=[16], max_new_tokens=[4]), tmp_path / "o")
+    assert result.end is SweepEnd.STOPPED and results.records == []
+    assert result.message.startswith(f"sizing the prompts of point c16-n4-x1-rinf with {target}'s tokenize "
+                                     "endpoint failed: "), result.message
+    assert "tokenizer broke" in result.message
 
 
 async def test_a_jsonl_dataset_on_the_chat_endpoint(start: Start, smollm2: LocalTokenizer, tmp_path: Path) -> None:
