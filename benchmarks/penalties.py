@@ -1,4 +1,4 @@
-"""What the logits processors (engine_service/logits_processors.py) cost a decode step: the time
+"""What the logits processors (engine_service/generation/logits_processors.py) cost a decode step: the time
 of `process` + `sample` for one batch of 32 rows of vocabulary 49,152, float32, with 0, 1, 8 and
 32 of its rows penalized, in one run.
 
@@ -30,10 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_service.cpu import detect
-from engine_service.logits_processors import Penalties, process
+from engine_service.generation.logits_processors import Penalties, process
+from engine_service.generation.sampler import new_generator, sample
+from engine_service.machine.cpu import detect
 from engine_service.requests import SamplingParams
-from engine_service.sampler import new_generator, sample
 
 PENALIZED_COUNTS = (0, 1, 8, 32)
 PROMPT, OUTPUT = 512, 128

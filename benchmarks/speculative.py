@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_client.prompts import make_prompt
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
-from engine_service.cpu import detect
+from engine_service.machine.cpu import detect
 from tools.local_engine import EngineProcess
 
 PASSAGE = (

@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_service.constraint import ConstraintCompiler, apply_masks
-from engine_service.cpu import detect
+from engine_service.generation.constraint import ConstraintCompiler, apply_masks
+from engine_service.machine.cpu import detect
 from engine_service.model.gguf_checkpoint import parse_config
 from engine_service.model.gguf_reader import read_gguf
 from engine_service.model.gguf_tokenizer import build_gguf_tokenizer

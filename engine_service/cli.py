@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 from engine_service.config import (
-    BLOCK_TOKENS,
     DEFAULT_PREFIX_CACHE_TOKENS,
     DTYPE_CHOICES,
     QUANTIZE_CHOICES,
@@ -17,8 +16,9 @@ from engine_service.config import (
     EngineConfig,
     ServerConfig,
 )
-from engine_service.faults import FaultPlan
 from engine_service.model.presets import DEFAULT_MODEL, PACKAGED, PRESETS
+from engine_service.runtime.faults import FaultPlan
+from engine_service.scheduling.prefix_cache import BLOCK_TOKENS
 from shared.logging import configure_logging
 from shared.tracing import configure_tracing, shutdown_tracing
 
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         configure_tracing("engine")  # off unless an OTEL_* variable asks for it
     except (ValueError, OSError) as err:
         parser.error(str(err))  # exits 2
-    from engine_service.server import serve  # imports torch: after the flags are known good
+    from engine_service.transport.server import serve  # imports torch: after the flags are known good
 
     try:
         code = asyncio.run(serve(engine_cfg, server_cfg))

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_service.faults import FaultPlan
+from engine_service.runtime.faults import FaultPlan
+from engine_service.scheduling.prefix_cache import BLOCK_TOKENS
 
 # Prompt tokens prefilled in a step that also decodes: by default (None) adapted to the step times
-# the decode loop measures (engine_service/prefill_budget.py), or a fixed count (--max-prefill-tokens N).
+# the decode loop measures (engine_service/scheduling/prefill_budget.py), or a fixed count (--max-prefill-tokens N).
 # History of the fixed default, 96: on SmolLM2 bfloat16 with 2 cores, while 8 streams decode (33-35
 # ms a step) and a 2,000-token prompt arrives (benchmarks/chunked_prefill.py, one run): at 96 the
 # streams' largest gap was 3.7x their TPOT and the prompt's TTFT 1.50x its TTFT alone on a Xeon
@@ -17,8 +18,6 @@ from engine_service.faults import FaultPlan
 # float32; an eighth of the KV cache at the default batch and context, and room for eight
 # 1,000-token system prompts.
 DEFAULT_PREFIX_CACHE_TOKENS = 8192
-# Tokens per prefix-cache block (vLLM's default block size): a prompt's prefix is reused in whole blocks.
-BLOCK_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -27,20 +26,20 @@ class EngineConfig:
 
     model: str = "smollm2"  # the packaged SmolLM2-135M-Instruct GGUF (engine_service.model.presets)
     device: str = "cpu"
-    dtype: str = "auto"  # auto: chosen from the CPU (engine_service/precision.py), or float32, bfloat16, float16
+    dtype: str = "auto"  # auto: chosen from the CPU (engine_service/machine/precision.py), or float32, bfloat16, float16
     max_batch: int = 32
     max_context: int = 2048
     max_new_tokens_limit: int = 4096
     queue_capacity: int = 256
     queue_retry_seconds: float = 0.5
     max_prefill_tokens: int | None = None  # None: adapted to the measured step times (prefill_budget.py)
-    prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS  # 0: off (engine_service/prefix_cache.py)
+    prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS  # 0: off (engine_service/scheduling/prefix_cache.py)
     stream_interval: int = 1
     stall_seconds: float = 30.0
     faults: FaultPlan = field(default_factory=FaultPlan)
     threads: int = 0
     quantize: str = "auto"  # auto: the file's own (precision.py), or none, int8, int4 (model/quantize.py)
-    speculative: str = "none"  # none, or ngram: prompt-lookup speculative decoding (engine_service/speculator.py)
+    speculative: str = "none"  # none, or ngram: prompt-lookup speculative decoding (engine_service/runtime/speculator.py)
     speculative_tokens: int = 6  # draft tokens per step and row with --speculative ngram
     trace_decode: bool = True  # the decode step through TorchScript traces (engine_service/model/traced_decode.py)
 

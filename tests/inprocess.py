@@ -12,12 +12,12 @@ import structlog
 from structlog.testing import LogCapture
 
 from engine.v1 import engine_pb2_grpc
-from engine_service import telemetry as telemetry_module
 from engine_service.config import EngineConfig, ServerConfig
-from engine_service.engine import Engine
-from engine_service.metrics import EngineMetrics, MetricsServer, start_metrics_server
-from engine_service.server import RunningServer, create_server
-from engine_service.telemetry import RequestTelemetry
+from engine_service.runtime.engine import Engine
+from engine_service.transport import telemetry as telemetry_module
+from engine_service.transport.metrics import EngineMetrics, MetricsServer, start_metrics_server
+from engine_service.transport.server import RunningServer, create_server
+from engine_service.transport.telemetry import RequestTelemetry
 
 
 @dataclass

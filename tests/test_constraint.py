@@ -1,4 +1,4 @@
-"""Structured output (engine_service/constraint.py) on SmolLM2's real tokenizer (loaded from the
+"""Structured output (engine_service/generation/constraint.py) on SmolLM2's real tokenizer (loaded from the
 packaged GGUF's metadata alone, no weights) and on the byte tokenizer of the tiny models.
 
 Random logits stand in for a model: every output the masks let through, greedy (argmax) or sampled
@@ -28,8 +28,8 @@ import torch
 from structlog.testing import capture_logs
 from tokenizers import Tokenizer, models
 
-from engine_service import constraint as constraint_module
-from engine_service.constraint import (
+from engine_service.generation import constraint as constraint_module
+from engine_service.generation.constraint import (
     MAX_SOURCE_BYTES,
     Constraint,
     ConstraintCompiler,

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2
 
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
-from engine_service.server import replica_name
+from engine_service.transport.server import replica_name
 from shared.engine_channel import SERVICE_NAME, EngineChannel, channel_options, open_engine_channel, replica_of
 from shared.errors import from_rpc_error
 

@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from engine.v1 import engine_pb2 as pb
-from engine_service.cpu import detect
-from engine_service.precision import choose_dtype
+from engine_service.machine.cpu import detect
+from engine_service.machine.precision import choose_dtype
 from shared.errors import DOMAIN, ContextLengthExceeded, InvalidField, from_rpc_error
 from tests.contract import decode, expect_error, tokens_of
 

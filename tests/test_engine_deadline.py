@@ -19,7 +19,7 @@ import pytest
 
 from engine.v1 import engine_pb2 as pb
 from engine_service.config import EngineConfig
-from engine_service.servicer import EngineServicer
+from engine_service.transport.servicer import EngineServicer
 from tests.contract import details
 from tests.inprocess import served
 from tests.test_observability_metrics import scrape, series

@@ -11,8 +11,8 @@ from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 from engine_service import requests as engine_requests
 from engine_service.config import EngineConfig, ServerConfig
-from engine_service.engine import Engine
-from engine_service.server import create_server
+from engine_service.runtime.engine import Engine
+from engine_service.transport.server import create_server
 from shared.errors import InternalError, from_rpc_error
 
 

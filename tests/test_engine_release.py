@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from engine_service.config import EngineConfig
-from engine_service.engine import Engine
 from engine_service.requests import Request, SamplingParams
-from engine_service.scheduler import LoadSnapshot
+from engine_service.runtime.engine import Engine
+from engine_service.scheduling.scheduler import LoadSnapshot
 
 LONG = 4000  # tokens: about 6 s of decoding for the tiny model, far longer than any wait below
 FREED_WITHIN_S = 0.5  # a step of the tiny model takes about a millisecond

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_service.faults import FaultInjector, FaultPlan
-from engine_service.loop import DecodeLoop, Emission
 from engine_service.model.loader import load_model
-from engine_service.model_runner import ModelRunner, StepLogits
 from engine_service.requests import Request, SamplingParams
-from engine_service.scheduler import Prefill, Scheduler
-from engine_service.sequence import Sequence
+from engine_service.runtime.faults import FaultInjector, FaultPlan
+from engine_service.runtime.loop import DecodeLoop, Emission
+from engine_service.runtime.model_runner import ModelRunner, StepLogits
+from engine_service.scheduling.scheduler import Prefill, Scheduler
+from engine_service.scheduling.sequence import Sequence
 
 CPU = torch.device("cpu")
 MAX_BATCH = 4

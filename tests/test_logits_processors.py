@@ -1,4 +1,4 @@
-"""engine_service/logits_processors.py and min-p in engine_service/sampler.py, each against its
+"""engine_service/generation/logits_processors.py and min-p in engine_service/generation/sampler.py, each against its
 definition: transformers' own processors (RepetitionPenaltyLogitsProcessor,
 MinNewTokensLengthLogitsProcessor, and TemperatureLogitsWarper, TopKLogitsWarper,
 TopPLogitsWarper, MinPLogitsWarper in generate's order) on the same random logits, and OpenAI's
@@ -32,9 +32,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from engine_service.logits_processors import Penalties, process
+from engine_service.generation.logits_processors import Penalties, process
+from engine_service.generation.sampler import new_generator, sample, warped_probs
 from engine_service.requests import SamplingParams
-from engine_service.sampler import new_generator, sample, warped_probs
 
 CPU = torch.device("cpu")
 META = torch.device("meta")

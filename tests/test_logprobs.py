@@ -9,7 +9,7 @@ import math
 import numpy as np
 import torch
 
-from engine_service.logprobs import TokenLogprobs, token_logprobs
+from engine_service.generation.logprobs import TokenLogprobs, token_logprobs
 from tests.test_logits_processors import META, Accelerator
 
 

@@ -15,23 +15,23 @@ from typing import Any
 import pytest
 import torch
 
-from engine_service import loop as loop_module
 from engine_service.config import BLOCK_TOKENS
-from engine_service.faults import FaultInjector, FaultPlan
-from engine_service.logprobs import TokenLogprobs, token_logprobs
-from engine_service.loop import FATAL_EXIT_CODE, DecodeLoop, Emission, set_threads
+from engine_service.generation.logprobs import TokenLogprobs, token_logprobs
+from engine_service.generation.output_text import OutputText
+from engine_service.generation.sampler import new_generator
+from engine_service.generation.speculative import SpeculativeConfig
 from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.presets import PRESETS
-from engine_service.model_runner import StepLogits
-from engine_service.output_text import OutputText
-from engine_service.prefill_budget import PrefillBudget
-from engine_service.prefix_cache import PrefixCache, PrefixCacheStats
 from engine_service.requests import Request, SamplingParams
-from engine_service.sampler import new_generator
-from engine_service.scheduler import Prefill, Scheduler
-from engine_service.sequence import FinishReason, Sequence
-from engine_service.speculative import SpeculativeConfig
-from engine_service.speculator import Speculator
+from engine_service.runtime import loop as loop_module
+from engine_service.runtime.faults import FaultInjector, FaultPlan
+from engine_service.runtime.loop import FATAL_EXIT_CODE, DecodeLoop, Emission, set_threads
+from engine_service.runtime.model_runner import StepLogits
+from engine_service.runtime.speculator import Speculator
+from engine_service.scheduling.prefill_budget import PrefillBudget
+from engine_service.scheduling.prefix_cache import PrefixCache, PrefixCacheStats
+from engine_service.scheduling.scheduler import Prefill, Scheduler
+from engine_service.scheduling.sequence import FinishReason, Sequence
 from shared.errors import DeadlineExceeded, SequenceError
 
 WAIT = 5.0  # seconds a test waits for a thread before it fails (passing runs take milliseconds)

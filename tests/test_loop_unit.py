@@ -9,12 +9,12 @@ import time
 
 import torch
 
-from engine_service.faults import FaultInjector, FaultPlan
-from engine_service.loop import DecodeLoop, Emission
-from engine_service.model_runner import StepLogits
 from engine_service.requests import Request, SamplingParams
-from engine_service.scheduler import Prefill, Scheduler
-from engine_service.sequence import FinishReason, Sequence
+from engine_service.runtime.faults import FaultInjector, FaultPlan
+from engine_service.runtime.loop import DecodeLoop, Emission
+from engine_service.runtime.model_runner import StepLogits
+from engine_service.scheduling.scheduler import Prefill, Scheduler
+from engine_service.scheduling.sequence import FinishReason, Sequence
 from shared.errors import DeadlineExceeded, SequenceError
 
 VOCAB = 32

@@ -41,7 +41,7 @@ def test_events_about_a_request_carry_its_id_and_the_callers_trace_ids(start_eng
     for event in (aborted[0], finished[0]):
         assert event["request_id"] == "doomed-1"
         assert {k: event[k] for k in ids} == ids
-    assert aborted[0]["logger"] == "engine_service.loop"
+    assert aborted[0]["logger"] == "engine_service.runtime.loop"
     assert finished[0]["status"] == "ABORTED" and finished[0]["reason"] == "SEQUENCE_ABORTED"
 
 

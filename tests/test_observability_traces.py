@@ -209,10 +209,10 @@ def test_the_decode_span_costs_little(receiver):
 
     from opentelemetry.context import Context
 
-    from engine_service.metrics import EngineMetrics, disabled_meter
-    from engine_service.scheduler import LoadSnapshot
-    from engine_service.sequence import Timings
-    from engine_service.telemetry import RequestOutcome, RequestTelemetry
+    from engine_service.scheduling.scheduler import LoadSnapshot
+    from engine_service.scheduling.sequence import Timings
+    from engine_service.transport.metrics import EngineMetrics, disabled_meter
+    from engine_service.transport.telemetry import RequestOutcome, RequestTelemetry
 
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=receiver.endpoint, insecure=True),

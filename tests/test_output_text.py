@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine_service.generation.output_text import OutputText
 from engine_service.model.byte_tokenizer import ByteStreamDecoder
-from engine_service.output_text import OutputText
 
 
 class Pieces:

@@ -1,16 +1,16 @@
 """`--dtype auto` / `--quantize auto`: the CPU as read from /proc/cpuinfo and torch, and the table
-that turns it and the file into a precision (engine_service/cpu.py, engine_service/precision.py)."""
+that turns it and the file into a precision (engine_service/machine/cpu.py, engine_service/machine/precision.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine_service.config import EngineConfig
-from engine_service.cpu import CpuInfo, detect, parse_cpuinfo
+from engine_service.machine.cpu import CpuInfo, detect, parse_cpuinfo
+from engine_service.machine.precision import choose_dtype, choose_quantize
 from engine_service.model.gguf_checkpoint import weight_format
 from engine_service.model.gguf_reader import read_gguf
 from engine_service.model.presets import PACKAGED
-from engine_service.precision import choose_dtype, choose_quantize
 
 EPYC = """processor\t: 0
 vendor_id\t: AuthenticAMD

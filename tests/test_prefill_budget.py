@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from engine_service.prefill_budget import (
+from engine_service.scheduling.prefill_budget import (
     CHUNK_COST,
     MIN_TOKENS,
     STALL_FACTOR,

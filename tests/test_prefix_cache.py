@@ -17,15 +17,15 @@ import torch
 
 from engine.v1 import engine_pb2 as pb
 from engine_service.config import BLOCK_TOKENS, EngineConfig
-from engine_service.faults import FaultInjector, FaultPlan
-from engine_service.loop import DecodeLoop, Emission
 from engine_service.model.kv_cache import KVCache
 from engine_service.model.loader import load_model
-from engine_service.model_runner import ModelRunner
-from engine_service.prefix_cache import PrefixCache
 from engine_service.requests import Request, SamplingParams
-from engine_service.scheduler import Scheduler
-from engine_service.sequence import Sequence
+from engine_service.runtime.faults import FaultInjector, FaultPlan
+from engine_service.runtime.loop import DecodeLoop, Emission
+from engine_service.runtime.model_runner import ModelRunner
+from engine_service.scheduling.prefix_cache import PrefixCache
+from engine_service.scheduling.scheduler import Scheduler
+from engine_service.scheduling.sequence import Sequence
 from tests.engines import ROOT
 
 CPU = torch.device("cpu")

@@ -9,8 +9,8 @@ import struct
 import pytest
 import torch
 
+from engine_service.generation.sampler import new_generator, sample
 from engine_service.requests import SamplingParams
-from engine_service.sampler import new_generator, sample
 
 SUBNORMAL = struct.unpack("<f", b")\x00\x00\x00")[0]  # 5.7e-44, as a float32 on the wire
 

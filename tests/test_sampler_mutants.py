@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_service.generation.sampler import new_generator, sample, warped_probs
 from engine_service.requests import SamplingParams
-from engine_service.sampler import new_generator, sample, warped_probs
 
 CPU = torch.device("cpu")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from engine_service.generation.sampler import new_generator, sample
 from engine_service.requests import SamplingParams
-from engine_service.sampler import new_generator, sample
 
 VOCAB = 64
 DRAWS = 400

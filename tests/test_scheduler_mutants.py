@@ -8,8 +8,8 @@ from __future__ import annotations
 import threading
 
 from engine_service.requests import Request, SamplingParams
-from engine_service.scheduler import LoadSnapshot, Scheduler
-from engine_service.sequence import Sequence
+from engine_service.scheduling.scheduler import LoadSnapshot, Scheduler
+from engine_service.scheduling.sequence import Sequence
 
 WAIT = 5.0  # seconds before a test gives up on a thread (passing runs take milliseconds)
 BLOCKED = 0.05  # how long a blocked waiter is given to (wrongly) return

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from engine_service.requests import Request, SamplingParams
-from engine_service.scheduler import IDLE_PREFILL_TOKENS, Prefill, Scheduler
-from engine_service.sequence import Sequence
+from engine_service.scheduling.scheduler import IDLE_PREFILL_TOKENS, Prefill, Scheduler
+from engine_service.scheduling.sequence import Sequence
 from shared.errors import QueueFull
 
 NOW = 1000.0  # a monotonic clock reading: the scheduler takes `now` as an argument

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2
 
 from engine.v1 import engine_pb2 as pb
 from engine_service.config import EngineConfig
-from engine_service.server import drain
+from engine_service.transport.server import drain
 from tests.contract import details
 from tests.inprocess import served
 

@@ -1,4 +1,4 @@
-"""Prompt-lookup speculation (engine_service/speculative.py): proposals against a brute-force
+"""Prompt-lookup speculation (engine_service/generation/speculative.py): proposals against a brute-force
 search, greedy verification against step-by-step argmax decoding, and sampled verification
 against the exact distribution of the target's own samples (seeded, so it cannot flake)."""
 
@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine_service.generation.sampler import new_generator, sample, warped_probs
+from engine_service.generation.speculative import NgramIndex, SpeculativeConfig, verify
 from engine_service.requests import SamplingParams
-from engine_service.sampler import new_generator, sample, warped_probs
-from engine_service.speculative import NgramIndex, SpeculativeConfig, verify
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams()

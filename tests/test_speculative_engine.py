@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine.v1 import engine_pb2 as pb
-from engine_service.speculator import SPECULATIVE_MAX_ROWS
+from engine_service.runtime.speculator import SPECULATIVE_MAX_ROWS
 from tests.contract import decode, tokens_of
 from tools.local_engine import EngineProcess
 

@@ -9,16 +9,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine_service.faults import FaultInjector, FaultPlan
-from engine_service.loop import DecodeLoop, Emission
-from engine_service.model_runner import StepLogits
-from engine_service.prefill_budget import PrefillBudget
+from engine_service.generation.sampler import new_generator
+from engine_service.generation.speculative import SpeculativeConfig, verify
 from engine_service.requests import Request, SamplingParams
-from engine_service.sampler import new_generator
-from engine_service.scheduler import Prefill, Scheduler
-from engine_service.sequence import Sequence
-from engine_service.speculative import SpeculativeConfig, verify
-from engine_service.speculator import Speculator
+from engine_service.runtime.faults import FaultInjector, FaultPlan
+from engine_service.runtime.loop import DecodeLoop, Emission
+from engine_service.runtime.model_runner import StepLogits
+from engine_service.runtime.speculator import Speculator
+from engine_service.scheduling.prefill_budget import PrefillBudget
+from engine_service.scheduling.scheduler import Prefill, Scheduler
+from engine_service.scheduling.sequence import Sequence
 
 VOCAB = 16
 PERIOD = 5  # the fake model's text repeats every 5 tokens

@@ -8,12 +8,12 @@ import pytest
 import structlog
 import torch
 
-from engine_service import model_runner
 from engine_service.model.kv_cache import KVCache
 from engine_service.model.loader import load_model
 from engine_service.model.quantize import quantize_model
 from engine_service.model.traced_decode import TracedDecode
-from engine_service.model_runner import ModelRunner
+from engine_service.runtime import model_runner
+from engine_service.runtime.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 MAX_BATCH, CONTEXT, STEPS = 8, 96, 12

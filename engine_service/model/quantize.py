@@ -1,5 +1,5 @@
 """Weight-only quantization for decode (`--quantize int8|int4`; `auto`, the default, serves a
-quantized GGUF's own: engine_service/precision.py).
+quantized GGUF's own: engine_service/machine/precision.py).
 
 A batch-1 decode step reads every weight once and does little arithmetic with it, so on a CPU it is
 bound by memory and by the per-call cost of the matmul kernel, not by FLOPs; torch's bfloat16 kernel

@@ -15,7 +15,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, NoOpMeterProvider, Obs
 from opentelemetry.sdk.metrics import MeterProvider
 from prometheus_client import CollectorRegistry, start_http_server
 
-from engine_service.scheduler import LoadSnapshot
+from engine_service.scheduling.scheduler import LoadSnapshot
 from shared.tracing import service_resource
 
 # Bucket boundaries advised by the GenAI semantic conventions for these two histograms.

@@ -17,22 +17,22 @@ import structlog
 import torch
 
 from engine_service.config import EngineConfig
-from engine_service.constraint import Constraint, ConstraintCompiler
-from engine_service.cpu import detect
-from engine_service.faults import FaultInjector
-from engine_service.logprobs import TokenLogprobs
-from engine_service.loop import DecodeLoop, Emission, set_threads
+from engine_service.generation.constraint import Constraint, ConstraintCompiler
+from engine_service.generation.logprobs import TokenLogprobs
+from engine_service.generation.output_text import OutputText
+from engine_service.generation.speculative import SpeculativeConfig
+from engine_service.machine.cpu import detect
+from engine_service.machine.precision import Precision, choose_dtype, choose_quantize
 from engine_service.model.loader import LoadedModel, load_model
-from engine_service.model_runner import ModelRunner
-from engine_service.output_text import OutputText
-from engine_service.precision import Precision, choose_dtype, choose_quantize
-from engine_service.prefill_budget import PrefillBudget
-from engine_service.prefix_cache import PrefixCache
 from engine_service.requests import Limits, Request, ResponseFormat
-from engine_service.scheduler import LoadSnapshot, Scheduler
-from engine_service.sequence import FinishReason, Sequence
-from engine_service.speculative import SpeculativeConfig
-from engine_service.speculator import Speculator
+from engine_service.runtime.faults import FaultInjector
+from engine_service.runtime.loop import DecodeLoop, Emission, set_threads
+from engine_service.runtime.model_runner import ModelRunner
+from engine_service.runtime.speculator import Speculator
+from engine_service.scheduling.prefill_budget import PrefillBudget
+from engine_service.scheduling.prefix_cache import PrefixCache
+from engine_service.scheduling.scheduler import LoadSnapshot, Scheduler
+from engine_service.scheduling.sequence import FinishReason, Sequence
 from shared.errors import EngineDraining, EngineError, EngineUnavailable, SequenceError
 
 log = structlog.get_logger()

@@ -15,7 +15,7 @@ import grpc
 import structlog
 
 from engine_service.config import ServerConfig
-from engine_service.telemetry import RequestOutcome, RequestTelemetry
+from engine_service.transport.telemetry import RequestOutcome, RequestTelemetry
 from shared.errors import Unauthenticated, to_status
 from shared.tracing import extract_context
 

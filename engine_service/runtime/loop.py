@@ -19,17 +19,17 @@ from itertools import accumulate
 import structlog
 import torch
 
-from engine_service.constraint import apply_masks
-from engine_service.faults import FaultInjector
-from engine_service.logits_processors import Penalties, process
-from engine_service.logprobs import TokenLogprobs, token_logprobs
-from engine_service.model_runner import ModelRunner, StepLogits
-from engine_service.prefill_budget import PrefillBudget
-from engine_service.prefix_cache import PrefixCache
-from engine_service.sampler import new_generator, sample
-from engine_service.scheduler import Prefill, Scheduler
-from engine_service.sequence import FinishReason, Sequence
-from engine_service.speculator import Speculator
+from engine_service.generation.constraint import apply_masks
+from engine_service.generation.logits_processors import Penalties, process
+from engine_service.generation.logprobs import TokenLogprobs, token_logprobs
+from engine_service.generation.sampler import new_generator, sample
+from engine_service.runtime.faults import FaultInjector
+from engine_service.runtime.model_runner import ModelRunner, StepLogits
+from engine_service.runtime.speculator import Speculator
+from engine_service.scheduling.prefill_budget import PrefillBudget
+from engine_service.scheduling.prefix_cache import PrefixCache
+from engine_service.scheduling.scheduler import Prefill, Scheduler
+from engine_service.scheduling.sequence import FinishReason, Sequence
 from shared.errors import DeadlineExceeded, EngineError, SequenceError
 
 log = structlog.get_logger()

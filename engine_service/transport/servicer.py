@@ -18,12 +18,12 @@ from google.protobuf.message import DecodeError
 
 from engine.v1 import engine_pb2 as pb
 from engine_service import __version__
-from engine_service.engine import Engine, Handle
-from engine_service.logprobs import TokenLogprobs
-from engine_service.metrics import EngineMetrics, disabled_meter
+from engine_service.generation.logprobs import TokenLogprobs
 from engine_service.requests import Request, loggable_request_id, parse_tokenize
-from engine_service.sequence import FinishReason
-from engine_service.telemetry import RequestOutcome, RequestTelemetry
+from engine_service.runtime.engine import Engine, Handle
+from engine_service.scheduling.sequence import FinishReason
+from engine_service.transport.metrics import EngineMetrics, disabled_meter
+from engine_service.transport.telemetry import RequestOutcome, RequestTelemetry
 from shared.engine_channel import REPLICA_HEADER
 from shared.errors import EngineError, InternalError, InvalidField, status_code_of, to_status
 from shared.tracing import extract_context, log_ids

@@ -16,8 +16,8 @@ from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.quantize import quantize_model
 from engine_service.model.traced_decode import TracedDecode
-from engine_service.scheduler import Prefill
-from engine_service.sequence import Sequence
+from engine_service.scheduling.scheduler import Prefill
+from engine_service.scheduling.sequence import Sequence
 
 log = structlog.get_logger()
 

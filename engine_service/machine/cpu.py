@@ -1,5 +1,5 @@
 """What the CPU can do, read once: torch's vector capability and the `/proc/cpuinfo` flags that
-decide which precision runs natively (engine_service/precision.py chooses from them).
+decide which precision runs natively (engine_service/machine/precision.py chooses from them).
 
 torch dispatches its own kernels by `torch.backends.cpu.get_cpu_capability()` ("AVX512", "AVX2",
 "DEFAULT", ...; lowered by the ATEN_CPU_CAPABILITY variable), and oneDNN, which runs its matmuls,

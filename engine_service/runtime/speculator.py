@@ -15,8 +15,8 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from engine_service.sequence import Sequence
-from engine_service.speculative import NgramIndex, SpeculativeConfig, verify
+from engine_service.generation.speculative import NgramIndex, SpeculativeConfig, verify
+from engine_service.scheduling.sequence import Sequence
 
 SPECULATIVE_MAX_ROWS = 4
 

@@ -1,7 +1,7 @@
 """Next-token selection: greedy rows in one vectorised argmax, sampled rows each with their own
 seeded generator (temperature, then top-k, then top-p, then min-p, as Hugging Face orders its
 warpers). Greedy rows ignore all four. What changes the logits before this (logit_bias,
-min_new_tokens, penalties) is engine_service/logits_processors.py."""
+min_new_tokens, penalties) is engine_service/generation/logits_processors.py."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 def warped_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution a sampled request draws from: one row of logits (V,), float32, after
-    temperature, top-k, top-p and min-p. Speculative verification (engine_service/speculative.py)
+    temperature, top-k, top-p and min-p. Speculative verification (engine_service/generation/speculative.py)
     accepts and resamples against exactly this distribution."""
     # Shift by the max before scaling: the same distribution, but a tiny (even subnormal)
     # temperature cannot overflow to inf and turn softmax into NaN (it just becomes greedy).

@@ -18,8 +18,8 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from engine_service.metrics import EngineMetrics, RequestSample
-from engine_service.sequence import Timings
+from engine_service.scheduling.sequence import Timings
+from engine_service.transport.metrics import EngineMetrics, RequestSample
 from shared.errors import EngineError
 from shared.tracing import log_ids, rpc_attributes, set_rpc_outcome
 

@@ -28,10 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_service.config import BLOCK_TOKENS
 from engine_service.model.kv_cache import KVCache
 
 _ROOT = 0  # the parent id of a prompt's first block
+
+# Tokens per prefix-cache block (vLLM's default block size): a prompt's prefix is reused in whole blocks.
+BLOCK_TOKENS = 16
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_service.logprobs import TokenLogprobs
-from engine_service.output_text import OutputText
+from engine_service.generation.logprobs import TokenLogprobs
+from engine_service.generation.output_text import OutputText
+from engine_service.generation.speculative import NgramIndex
 from engine_service.requests import Request
-from engine_service.speculative import NgramIndex
 
 if TYPE_CHECKING:  # annotations only
-    from engine_service.constraint import Constraint
-    from engine_service.logits_processors import Penalties
+    from engine_service.generation.constraint import Constraint
+    from engine_service.generation.logits_processors import Penalties
 
 
 class FinishReason(enum.Enum):

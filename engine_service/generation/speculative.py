@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_service.generation.sampler import warped_probs
 from engine_service.requests import SamplingParams
-from engine_service.sampler import warped_probs
 
 METHODS = ("ngram",)
 

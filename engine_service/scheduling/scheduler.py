@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_service.model.kv_cache import PromptChunk
-from engine_service.prefix_cache import PrefixCacheStats
-from engine_service.sequence import Sequence
+from engine_service.scheduling.prefix_cache import PrefixCacheStats
+from engine_service.scheduling.sequence import Sequence
 from shared.errors import QueueFull
 
 # A step with no decoding row prefills at least this many prompt tokens: a wave of 128-token

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_service.cpu import CpuInfo
+from engine_service.machine.cpu import CpuInfo
 
 AUTO = "auto"
 INT4_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})

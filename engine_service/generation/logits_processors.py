@@ -1,4 +1,4 @@
-"""Per-row logits processing before the sampler (engine_service/sampler.py): what a request's
+"""Per-row logits processing before the sampler (engine_service/generation/sampler.py): what a request's
 SamplingParams change in its raw logits before temperature, top-k, top-p and min-p.
 
 `process(logits, params, penalties, generated, banned)` takes the batch's raw logits (B, V),

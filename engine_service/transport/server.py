@@ -22,12 +22,12 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.v1 import engine_pb2
 from engine_service.config import EngineConfig, ServerConfig
-from engine_service.engine import Engine
-from engine_service.loop import FATAL_EXIT_CODE
-from engine_service.metrics import EngineMetrics, disabled_meter, start_metrics_server
-from engine_service.security import BearerTokenInterceptor, server_credentials
-from engine_service.servicer import SERVICE_NAME, EngineServicer
-from engine_service.telemetry import RequestTelemetry
+from engine_service.runtime.engine import Engine
+from engine_service.runtime.loop import FATAL_EXIT_CODE
+from engine_service.transport.metrics import EngineMetrics, disabled_meter, start_metrics_server
+from engine_service.transport.security import BearerTokenInterceptor, server_credentials
+from engine_service.transport.servicer import SERVICE_NAME, EngineServicer
+from engine_service.transport.telemetry import RequestTelemetry
 from shared.errors import EngineDraining
 from shared.tracing import flush_traces
 
