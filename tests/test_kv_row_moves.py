@@ -12,11 +12,14 @@ import torch
 
 from engine_service.model.loader import load_model
 from engine_service.requests import Request, SamplingParams
+from engine_service.runtime.delta import Delta
 from engine_service.runtime.faults import FaultInjector, FaultPlan
-from engine_service.runtime.loop import DecodeLoop, Emission
+from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import ModelRunner, StepLogits
-from engine_service.scheduling.scheduler import Prefill, Scheduler
+from engine_service.scheduling.scheduler import Scheduler
 from engine_service.scheduling.sequence import Sequence
+from engine_service.scheduling.step_plan import StepPlan
+from tests.step_plans import unpack
 
 CPU = torch.device("cpu")
 MAX_BATCH = 4
@@ -53,8 +56,9 @@ class Recorder:
         self.moves.append((a, b, -1))
         self.runner.cache.swap_rows(a, b, length_a, length_b)
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> StepLogits:
-        logits = self.runner.forward(decoding, prefills)
+    def forward(self, plan: StepPlan) -> StepLogits:
+        decoding, prefills, drafts = unpack(plan)
+        logits = self.runner.forward(plan)
         producing = decoding + [p.seq for p in prefills if p.completes]
         for row, seq in enumerate(producing):
             self.logits.setdefault(seq.request_id, []).append(logits.sampled[row].clone())
@@ -67,7 +71,7 @@ def run(runner: ModelRunner, requests: list[tuple[str, str, int]], max_batch: in
     recorder = Recorder(runner)
     scheduler = Scheduler(max_batch=max_batch, max_context=128, queue_capacity=16, queue_retry_seconds=0.5,
                           prefill_token_budget=4096)
-    delivered: list[Emission] = []
+    delivered: list[Delta] = []
 
     def fatal(exc: BaseException) -> None:
         raise AssertionError(f"on_fatal: {exc!r}")
@@ -80,7 +84,7 @@ def run(runner: ModelRunner, requests: list[tuple[str, str, int]], max_batch: in
                           sampling=SamplingParams(), stop_token_ids=frozenset(), ignore_eos=True, deadline=None)
         seqs.append(Sequence(request, sink=None))
         scheduler.submit(seqs[-1])
-    while scheduler.running or scheduler.waiting_count():
+    while scheduler.rows or scheduler.waiting_count():
         loop.step()
     assert all(e.error is None for e in delivered)
     return {s.request_id: s.generated for s in seqs}, recorder
@@ -117,12 +121,12 @@ def test_prompts_prefilled_in_chunks_while_rows_move_and_swap_decode_exactly_as_
     recorder = Recorder(runner)
     scheduler = Scheduler(max_batch=MAX_BATCH, max_context=128, queue_capacity=16, queue_retry_seconds=0.5,
                           prefill_token_budget=8)
-    delivered: list[Emission] = []
+    delivered: list[Delta] = []
     loop = DecodeLoop(recorder, scheduler, FaultInjector(FaultPlan()), frozenset(), delivered.extend,  # type: ignore[arg-type]
                       lambda exc: (_ for _ in ()).throw(AssertionError(f"on_fatal: {exc!r}")))
     seqs: dict[str, Sequence] = {}
     step = 0
-    while step < 2 or scheduler.running or scheduler.waiting_count():
+    while step < 2 or scheduler.rows or scheduler.waiting_count():
         for at, request_id, prompt, max_new in plan:
             if at == step:
                 seqs[request_id] = Sequence(Request(request_id=request_id, prompt_ids=tuple(prompt.encode()),

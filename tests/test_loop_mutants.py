@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine_service.config import BLOCK_TOKENS
+from engine_service.generation import controls as controls_module
+from engine_service.generation.controls import FinishReason
 from engine_service.generation.logprobs import TokenLogprobs, token_logprobs
 from engine_service.generation.output_text import OutputText
 from engine_service.generation.sampler import new_generator
@@ -24,15 +25,18 @@ from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.presets import PRESETS
 from engine_service.requests import Request, SamplingParams
 from engine_service.runtime import loop as loop_module
+from engine_service.runtime.delta import Delta
 from engine_service.runtime.faults import FaultInjector, FaultPlan
-from engine_service.runtime.loop import FATAL_EXIT_CODE, DecodeLoop, Emission, set_threads
+from engine_service.runtime.loop import FATAL_EXIT_CODE, DecodeLoop, set_threads
 from engine_service.runtime.model_runner import StepLogits
 from engine_service.runtime.speculator import Speculator
 from engine_service.scheduling.prefill_budget import PrefillBudget
-from engine_service.scheduling.prefix_cache import PrefixCache, PrefixCacheStats
-from engine_service.scheduling.scheduler import Prefill, Scheduler
-from engine_service.scheduling.sequence import FinishReason, Sequence
+from engine_service.scheduling.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixCacheStats
+from engine_service.scheduling.scheduler import Scheduler
+from engine_service.scheduling.sequence import Sequence
+from engine_service.scheduling.step_plan import StepPlan
 from shared.errors import DeadlineExceeded, SequenceError
+from tests.step_plans import unpack
 
 WAIT = 5.0  # seconds a test waits for a thread before it fails (passing runs take milliseconds)
 
@@ -51,7 +55,8 @@ class OneHotRunner:
     def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
         del a, b, length_a, length_b
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> StepLogits:
+    def forward(self, plan: StepPlan) -> StepLogits:
+        decoding, prefills, drafts = unpack(plan)
         self.forwards += 1
         logits = torch.zeros(len(decoding) + sum(p.completes for p in prefills), 8)
         logits[:, 1] = 1.0
@@ -61,7 +66,8 @@ class OneHotRunner:
 class ExtraRowRunner(OneHotRunner):
     """A runner with a shape bug: one row of logits more than sequences running."""
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> StepLogits:
+    def forward(self, plan: StepPlan) -> StepLogits:
+        decoding, prefills, drafts = unpack(plan)
         return StepLogits(torch.zeros(len(decoding) + sum(p.completes for p in prefills) + 1, 8))
 
 
@@ -82,7 +88,7 @@ class Harness:
     def __init__(self, faults: FaultPlan | None = None, end: frozenset[int] = frozenset(),
                  runner: OneHotRunner | None = None) -> None:
         self.sched = scheduler()
-        self.delivered: list[list[Emission]] = []
+        self.delivered: list[list[Delta]] = []
         self.loop = DecodeLoop(runner or OneHotRunner(), self.sched, FaultInjector(faults or FaultPlan()),  # type: ignore[arg-type]
                                end, self.delivered.append, on_fatal=lambda exc: pytest.fail(f"on_fatal: {exc!r}"))
 
@@ -92,7 +98,7 @@ class Harness:
             self.sched.submit(seq)
         return seqs
 
-    def step(self) -> tuple[float, dict[str, Emission], float]:
+    def step(self) -> tuple[float, dict[str, Delta], float]:
         """(time before, this step's emissions by request id, time after)."""
         before = time.monotonic()
         self.loop.step()
@@ -110,7 +116,7 @@ class Recorder:
 
 
 def test_the_loop_thread_serves_then_stops_when_asked() -> None:
-    delivered: queue.Queue[list[Emission]] = queue.Queue()
+    delivered: queue.Queue[list[Delta]] = queue.Queue()
     sched = scheduler()
     loop = DecodeLoop(OneHotRunner(), sched, FaultInjector(FaultPlan()), frozenset(), delivered.put,  # type: ignore[arg-type]
                       on_fatal=lambda exc: pytest.fail(f"on_fatal: {exc!r}"))
@@ -180,7 +186,7 @@ def test_a_dropped_sequence_is_stamped_with_the_step_time() -> None:
     running.cancelled = True
     before, out, after = h.step()
     assert isinstance(out["late"].error, DeadlineExceeded) and out["gone"].error is None
-    assert out["running"].error is None and h.sched.running == []
+    assert out["running"].error is None and h.sched.rows == ()
     assert all(before <= out[r].at <= after and out[r].tokens == () for r in ("late", "gone", "running"))
 
 
@@ -199,10 +205,10 @@ def test_each_step_stamps_prefill_first_and_last_token_times() -> None:
 def test_a_sampled_sequence_gets_its_own_seeded_generator_when_admitted() -> None:
     h = Harness()
     sampled, greedy = h.submit(request("s", sampling=SamplingParams(temperature=1.0, seed=7)), request("g"))
-    assert sampled.generator is None
+    assert sampled.controls.generator is None
     h.step()
-    assert isinstance(sampled.generator, torch.Generator) and sampled.generator.initial_seed() == 7
-    assert greedy.generator is None
+    assert isinstance(sampled.controls.generator, torch.Generator) and sampled.controls.generator.initial_seed() == 7
+    assert greedy.controls.generator is None
 
 
 def test_stop_and_end_tokens_finish_a_sequence() -> None:
@@ -341,7 +347,7 @@ def test_a_sequences_generator_is_made_for_the_runners_device(monkeypatch: pytes
         devices.append(device)
         return new_generator(params, device)
 
-    monkeypatch.setattr(loop_module, "new_generator", recording)
+    monkeypatch.setattr(controls_module, "new_generator", recording)
     h = Harness()
     h.submit(request("s", sampling=SamplingParams(temperature=1.0, seed=7)))
     h.step()
@@ -381,7 +387,8 @@ class KVRunner:
             self.cache.k[:, row, :, start + i] = kv_value(token, start + i)
             self.cache.v[:, row, :, start + i] = -kv_value(token, start + i)
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> StepLogits:
+    def forward(self, plan: StepPlan) -> StepLogits:
+        decoding, prefills, drafts = unpack(plan)
         for row, seq in enumerate(decoding):
             self._write(row, seq.total_len - 1, seq.generated[-1:])
         for p in prefills:
@@ -412,7 +419,7 @@ def test_the_loop_stores_prompt_and_answer_blocks_and_reuses_them_in_the_new_row
                               sampling=SamplingParams(), stop_token_ids=frozenset(), ignore_eos=True, deadline=None))
     h.step()  # its prompt: one full block stored, from its row
     assert h.sched.load.prefix_cache == PrefixCacheStats(16, 64, 20, 0)
-    while h.sched.running:
+    while h.sched.rows:
         h.step()
     text = first.request.prompt_ids + tuple(first.generated)  # 34 tokens, 33 of them in the cache
     assert h.sched.load.prefix_cache.used_tokens == 32  # its answer's first block too, when it finished
@@ -473,8 +480,8 @@ class TableRunner:
     def swap_rows(self, a: int, b: int, length_a: int, length_b: int) -> None:
         del a, b, length_a, length_b
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill],
-                drafts: list[list[int]] | None = None) -> StepLogits:
+    def forward(self, plan: StepPlan) -> StepLogits:
+        decoding, prefills, drafts = unpack(plan)
         self.drafts.append(drafts)
         sampled = [self.table(seq, seq.total_len + j) for i, seq in enumerate(decoding)
                    for j in range(1 + (len(drafts[i]) if drafts is not None else 0))]
@@ -510,7 +517,7 @@ def req(request_id: str, prompt: tuple[int, ...] = (2, 3), max_new: int = 3, sam
 
 
 def busy(h: Harness) -> bool:
-    return bool(h.sched.running or h.sched.waiting_count())
+    return bool(h.sched.rows or h.sched.waiting_count())
 
 
 def expected_logprobs(table: Any, seq: Sequence, positions: range | list[int], top: int) -> list[TokenLogprobs]:
@@ -580,19 +587,19 @@ def masks(logits: torch.Tensor, rows: list[int], constraints: list[FakeConstrain
 
 
 def test_a_constrained_rows_eos_is_its_grammars_under_min_new_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loop_module, "apply_masks", masks)
+    monkeypatch.setattr(controls_module, "apply_masks", masks)
     h, _ = table_harness(ranked(EOS, STOP_TOKEN, 5), end=frozenset({EOS}))
     seq, = h.submit(req("a", max_new=6, sampling=SamplingParams(min_new_tokens=4),
                         stop_tokens=frozenset({STOP_TOKEN}), ignore_eos=False))
     # the grammar first allows 5 or the stop token (min_new_tokens masks the stop token), then EOS too:
     # its EOS is not masked (the grammar decides where the output may end), the stop token still is
-    seq.constraint = FakeConstraint([{5, STOP_TOKEN}, {5, STOP_TOKEN, EOS}], final=EOS)  # type: ignore[assignment]
+    seq.controls.constraint = FakeConstraint([{5, STOP_TOKEN}, {5, STOP_TOKEN, EOS}], final=EOS)  # type: ignore[assignment]
     _, first, _ = h.step()
     _, second, _ = h.step()
     assert (first["a"].tokens, first["a"].finish) == ((5,), None)
     assert (second["a"].tokens, second["a"].finish) == ((EOS,), FinishReason.STOP)  # the grammar is done
-    assert seq.constraint.consumed == [(5,), (EOS,)]  # type: ignore[union-attr]
-    assert h.sched.running == []
+    assert seq.controls.constraint.consumed == [(5,), (EOS,)]  # type: ignore[union-attr]
+    assert h.sched.rows == ()
 
 
 class FakeDecoder:
@@ -616,20 +623,20 @@ def script(*tokens: int) -> Any:
 def test_a_stop_string_across_tokens_holds_back_its_start_and_ends_the_sequence() -> None:
     h, _ = table_harness(script(1, 2, 3, 4))
     seq, = h.submit(req("a", max_new=4))
-    seq.text = OutputText(FakeDecoder(), stop=["cd"])
+    seq.controls.text = OutputText(FakeDecoder(), stop=["cd"])
     texts = []
     while busy(h):
         _, out, _ = h.step()
         texts.append(out["a"].text)
     assert texts == ["ab", "", ""]  # "c" held back (it may start "cd"), then "cd" matched in "cde"
     assert seq.generated == [1, 2, 3] and out["a"].finish is FinishReason.STOP
-    assert seq.text.stop_string == "cd"
+    assert seq.controls.text.stop_string == "cd"
 
 
 def test_a_held_back_tail_is_released_with_the_last_token_when_the_sequence_ends() -> None:
     h, _ = table_harness(script(1, 2))
     seq, = h.submit(req("a", max_new=2))
-    seq.text = OutputText(FakeDecoder(), stop=["cd"])
+    seq.controls.text = OutputText(FakeDecoder(), stop=["cd"])
     _, first, _ = h.step()
     _, last, _ = h.step()
     assert (first["a"].text, last["a"].text) == ("ab", "c")  # "c" was held back, then flushed at the length limit
@@ -646,7 +653,7 @@ def test_penalties_start_from_the_prompt_and_count_each_steps_tokens() -> None:
     assert presence.generated == [1, 2, 1]  # 1 penalized once seen (3 - 1.5 < 2), then both (1.5 > 0.5)
     assert repetition.generated == [2, 1, 1]  # 1 is in the prompt: 3 / 4 < 2; then 2 / 4 < 3 / 4
     for seq in (presence, repetition):
-        penalties = seq.penalties
+        penalties = seq.controls.penalties
         assert penalties is not None and penalties.device == runner.device and penalties.vocab_size == VOCAB
         assert penalties.counts.tolist() == [float(seq.generated.count(t)) for t in range(VOCAB)]
         assert penalties.seen.nonzero().flatten().tolist() == sorted({*seq.request.prompt_ids, *seq.generated})
@@ -683,7 +690,7 @@ def test_echoed_prompt_logprobs_come_chunk_by_chunk_on_the_first_emission() -> N
                                                             PromptChunk(1, 8, 2)]
     # each prompt token after the first, scored by the row before it; the last row predicts no prompt token
     assert_logprobs(emissions[0].prompt_logprobs, expected_logprobs(table, seq, range(1, 10), 2))
-    assert_logprobs(seq.prompt_logprobs, expected_logprobs(table, seq, range(1, 10), 2))
+    assert_logprobs(seq.controls.prompt_logprobs, expected_logprobs(table, seq, range(1, 10), 2))
     assert emissions[1].prompt_logprobs == ()  # the first emission only
     assert_logprobs(emissions[0].logprobs, expected_logprobs(table, seq, [10], 2))
     assert_logprobs(emissions[1].logprobs, expected_logprobs(table, seq, [11], 2))

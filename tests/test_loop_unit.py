@@ -9,13 +9,17 @@ import time
 
 import torch
 
+from engine_service.generation.controls import FinishReason
 from engine_service.requests import Request, SamplingParams
+from engine_service.runtime.delta import Delta
 from engine_service.runtime.faults import FaultInjector, FaultPlan
-from engine_service.runtime.loop import DecodeLoop, Emission
+from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import StepLogits
-from engine_service.scheduling.scheduler import Prefill, Scheduler
-from engine_service.scheduling.sequence import FinishReason, Sequence
+from engine_service.scheduling.scheduler import Scheduler
+from engine_service.scheduling.sequence import Sequence
+from engine_service.scheduling.step_plan import StepPlan
 from shared.errors import DeadlineExceeded, SequenceError
+from tests.step_plans import unpack
 
 VOCAB = 32
 END = 31  # never produced by the fake model, so only max_new_tokens ends a sequence
@@ -41,7 +45,8 @@ class FakeRunner:
         self.cache = FakeCache()
         self.forwards: list[tuple[list[str], int]] = []
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill], drafts: object = None) -> StepLogits:
+    def forward(self, plan: StepPlan) -> StepLogits:
+        decoding, prefills, drafts = unpack(plan)
         """(the decoding rows and the prefilling ones, how many decode) for each forward"""
         self.forwards.append(([s.request_id for s in decoding] + [p.seq.request_id for p in prefills], len(decoding)))
         producing = decoding + [p.seq for p in prefills if p.completes]
@@ -66,7 +71,7 @@ class Harness:
         self.runner = FakeRunner()
         self.scheduler = Scheduler(max_batch=max_batch, max_context=256, queue_capacity=8, queue_retry_seconds=0.5,
                                    prefill_token_budget=1024)
-        self.delivered: list[list[Emission]] = []
+        self.delivered: list[list[Delta]] = []
         self.loop = DecodeLoop(self.runner, self.scheduler, FaultInjector(faults or FaultPlan()),  # type: ignore[arg-type]
                                frozenset({END}), self.delivered.append, on_fatal=self._fatal)
 
@@ -80,7 +85,7 @@ class Harness:
             self.scheduler.submit(s)
         return seqs
 
-    def step(self) -> dict[str, Emission]:
+    def step(self) -> dict[str, Delta]:
         self.loop.step()
         return {e.seq.request_id: e for e in self.delivered[-1]}
 
@@ -89,7 +94,7 @@ class Harness:
         return load.running_sequences, load.waiting_requests, load.kv_cache_used_tokens
 
     def running(self) -> list[str]:
-        return [s.request_id for s in self.scheduler.running]
+        return [s.request_id for s in self.scheduler.rows]
 
 
 def tokens_for(seq: Sequence) -> list[int]:
@@ -116,7 +121,7 @@ def test_a_sequence_error_retires_its_row_in_the_same_step_and_the_others_go_on(
     assert h.scheduler.finished_count == 1
     # the others got this step's token, and go on to their full answers untouched
     assert out["b"].tokens == (b.generated[-1],) and len(b.generated) == 3
-    while h.scheduler.running:
+    while h.scheduler.rows:
         out = h.step()
         assert "a" not in out
     assert len(a.generated) == 2
@@ -197,7 +202,7 @@ def test_finished_sequences_are_retired_and_their_rows_reused():
     assert h.running() == ["long"] and h.runner.cache.moves == [(1, 0, long_.cache_len)]
     out = h.step()  # the freed row takes the queued request: long decodes, queued prefills
     assert h.runner.forwards[-1] == (["long", "queued"], 1)
-    while h.scheduler.running:
+    while h.scheduler.rows:
         h.step()
     assert long_.generated == tokens_for(long_) and queued.generated == tokens_for(queued)
     assert h.load() == (0, 0, 0) and h.scheduler.finished_count == 3

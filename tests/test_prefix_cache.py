@@ -16,14 +16,15 @@ import pytest
 import torch
 
 from engine.v1 import engine_pb2 as pb
-from engine_service.config import BLOCK_TOKENS, EngineConfig
+from engine_service.config import EngineConfig
 from engine_service.model.kv_cache import KVCache
 from engine_service.model.loader import load_model
 from engine_service.requests import Request, SamplingParams
+from engine_service.runtime.delta import Delta
 from engine_service.runtime.faults import FaultInjector, FaultPlan
-from engine_service.runtime.loop import DecodeLoop, Emission
+from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import ModelRunner
-from engine_service.scheduling.prefix_cache import PrefixCache
+from engine_service.scheduling.prefix_cache import BLOCK_TOKENS, PrefixCache
 from engine_service.scheduling.scheduler import Scheduler
 from engine_service.scheduling.sequence import Sequence
 from tests.engines import ROOT
@@ -69,7 +70,7 @@ def run(runner: ModelRunner, prefix: PrefixCache, budget: int, plan) -> tuple[di
     """Step the loop through `plan`; tokens and cached prompt tokens by request id."""
     scheduler = Scheduler(max_batch=MAX_BATCH, max_context=MAX_CONTEXT, queue_capacity=16, queue_retry_seconds=0.5,
                           prefill_token_budget=budget)
-    delivered: list[Emission] = []
+    delivered: list[Delta] = []
 
     def fatal(exc: BaseException) -> None:
         raise AssertionError(f"on_fatal: {exc!r}")
@@ -78,7 +79,7 @@ def run(runner: ModelRunner, prefix: PrefixCache, budget: int, plan) -> tuple[di
     seqs: list[Sequence] = []
     pending = sorted(plan, key=lambda p: p[0])
     step = 0
-    while pending or scheduler.running or scheduler.waiting_count():
+    while pending or scheduler.rows or scheduler.waiting_count():
         while pending and pending[0][0] <= step:
             _, request_id, prompt, max_new = pending.pop(0)
             request = Request(request_id=request_id, prompt_ids=prompt, max_new_tokens=max_new,

@@ -48,7 +48,7 @@ def test_returns_at_once_while_sequences_run() -> None:
     sched = scheduler()
     sched.submit(sequence())
     sched.admit()
-    assert sched.running and sched.waiting_count() == 0
+    assert sched.rows and sched.waiting_count() == 0
     waiter = Waiter(sched)
     assert waiter.returned(WAIT) and waiter.result == [True]
 
@@ -96,6 +96,6 @@ def test_chunks_that_exactly_spend_the_budget_leave_nothing_for_the_next_prompt(
                                       sampling=SamplingParams(), stop_token_ids=frozenset(), ignore_eos=True,
                                       deadline=None), sink=None))
     sched.admit()
-    sched.decoding = 1  # as if row 0 ("a") had its first token: b and c prefill within the budget
-    plans = sched.plan_prefill(lambda s, row: None)
+    sched.promote([sched.rows[0]], lambda *rows: None)  # row 0 ("a") had its first token: b and c prefill within the budget
+    plans = sched.plan(lambda s, row: None).prefills
     assert [(p.seq.request_id, p.chunk.length) for p in plans] == [("b", 32), ("c", 32)]  # 64 tokens: d waits

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from engine_service.requests import Request, SamplingParams
-from engine_service.scheduling.scheduler import IDLE_PREFILL_TOKENS, Prefill, Scheduler
+from engine_service.scheduling.scheduler import IDLE_PREFILL_TOKENS, Scheduler
 from engine_service.scheduling.sequence import Sequence
+from engine_service.scheduling.step_plan import Prefill
 from shared.errors import QueueFull
 
 NOW = 1000.0  # a monotonic clock reading: the scheduler takes `now` as an argument
@@ -97,11 +98,11 @@ def test_admit_fills_free_rows_oldest_first():
     for name in "abcde":
         sched.submit(seq(name))
     assert ids(sched.admit()) == ["a", "b", "c"]
-    assert ids(sched.running) == ["a", "b", "c"] and sched.waiting_count() == 2
+    assert ids(sched.rows) == ["a", "b", "c"] and sched.waiting_count() == 2
     assert sched.admit() == []  # no free row
     sched.remove_rows([1], Moves())
     assert ids(sched.admit()) == ["d"]
-    assert ids(sched.running) == ["a", "c", "d"]
+    assert ids(sched.rows) == ["a", "c", "d"]
 
 
 def chunks(plans: list[Prefill]) -> list[tuple[str, int, int, int, bool]]:
@@ -131,7 +132,7 @@ def test_admit_takes_every_free_row_whatever_the_prompts_cost():
     for name, length in (("a", 40), ("b", 10), ("c", 1)):
         sched.submit(seq(name, prompt_len=length))
     assert ids(sched.admit()) == ["a", "b", "c"]  # the budget limits prefill per step, not admission
-    assert [s.admitted for s in sched.running] == [0, 1, 2]
+    assert [s.admitted for s in sched.rows] == [0, 1, 2]
 
 
 def test_prompts_are_prefilled_in_chunks_within_the_budget_oldest_first():
@@ -142,15 +143,15 @@ def test_prompts_are_prefilled_in_chunks_within_the_budget_oldest_first():
     sched.admit()
     started: list[tuple[str, int]] = []
     start = lambda s, row: started.append((s.request_id, row))  # noqa: E731
-    plans = sched.plan_prefill(start)
+    plans = sched.plan(start).prefills
     assert chunks(plans) == [("a", 1, 0, 10, True), ("b", 2, 0, 10, True), ("c", 3, 0, 5, False)]
     assert started == [("a", 1), ("b", 2), ("c", 3)]
     run_chunks(plans)
-    for s in sched.running:
+    for s in sched.rows:
         s.timings.prefill_started = NOW
     sched.promote([plans[0].seq, plans[1].seq], Swaps())
     assert sched.decoding == 3
-    assert chunks(sched.plan_prefill(start)) == [("c", 3, 5, 5, True)]  # the rest of c, at its offset
+    assert chunks(sched.plan(start).prefills) == [("c", 3, 5, 5, True)]  # the rest of c, at its offset
     assert len(started) == 3  # c's prefill had started: no second start
 
 
@@ -159,7 +160,7 @@ def test_with_no_row_decoding_a_step_prefills_whole_prompts_up_to_the_idle_budge
     for name in "abc":
         sched.submit(seq(name, prompt_len=1000))
     sched.admit()
-    plans = sched.plan_prefill(lambda s, row: None)
+    plans = sched.plan(lambda s, row: None).prefills
     assert IDLE_PREFILL_TOKENS == 2048
     assert chunks(plans) == [("a", 0, 0, 1000, True), ("b", 1, 0, 1000, True), ("c", 2, 0, 48, False)]
 
@@ -171,7 +172,7 @@ def test_the_idle_budget_is_the_largest_of_the_step_budget_max_context_and_idle_
                           prefill_token_budget=budget)
         sched.submit(seq("long", prompt_len=4000))
         sched.admit()
-        assert chunks(sched.plan_prefill(lambda s, row: None)) == [("long", 0, 0, 3000, False)], (budget, max_context)
+        assert chunks(sched.plan(lambda s, row: None).prefills) == [("long", 0, 0, 3000, False)], (budget, max_context)
 
 
 def test_a_prompt_longer_than_the_budget_takes_several_steps_and_completes_on_the_last():
@@ -182,7 +183,7 @@ def test_a_prompt_longer_than_the_budget_takes_several_steps_and_completes_on_th
     sched.admit()
     seen = []
     for _ in range(3):
-        plans = sched.plan_prefill(lambda s, row: setattr(s.timings, "prefill_started", NOW))
+        plans = sched.plan(lambda s, row: setattr(s.timings, "prefill_started", NOW)).prefills
         seen.append(chunks(plans))
         run_chunks(plans)
     assert seen == [[("long", 1, 0, 12, False)], [("long", 1, 12, 12, False)],
@@ -198,7 +199,7 @@ def test_a_chunk_starts_where_the_start_callback_left_the_cache():
         s.timings.prefill_started = NOW
         s.cache_len = 32
 
-    assert chunks(sched.plan_prefill(reuse)) == [("hit", 0, 32, 8, True)]
+    assert chunks(sched.plan(reuse).prefills) == [("hit", 0, 32, 8, True)]
 
 
 def test_a_prefilled_row_behind_another_prefilling_row_is_swapped_to_join_the_decoding_rows():
@@ -211,7 +212,7 @@ def test_a_prefilled_row_behind_another_prefilling_row_is_swapped_to_join_the_de
     sched.promote([a], swaps)
     assert swaps.calls == [] and sched.decoding == 1
     sched.promote([c], swaps)  # c is in row 2, b (still prefilling) in row 1
-    assert swaps.calls == [(1, 2, 6, 7)] and ids(sched.running) == ["a", "c", "b"] and sched.decoding == 2
+    assert swaps.calls == [(1, 2, 6, 7)] and ids(sched.rows) == ["a", "c", "b"] and sched.decoding == 2
 
 
 def test_removing_a_decoding_row_keeps_decoding_rows_before_prefilling_ones():
@@ -225,10 +226,10 @@ def test_removing_a_decoding_row_keeps_decoding_rows_before_prefilling_ones():
     assert ids(sched.remove_rows([0], moves)) == ["a"]
     # c (the last decoding row) fills a's row, then d (prefilling) fills c's
     assert moves.calls == [(2, 0, 7), (3, 2, 8)]
-    assert ids(sched.running) == ["c", "b", "d"] and sched.decoding == 2
+    assert ids(sched.rows) == ["c", "b", "d"] and sched.decoding == 2
     moves = Moves()
     sched.remove_rows([1, 2], moves)  # b (decoding) and d (prefilling) at once
-    assert moves.calls == [] and ids(sched.running) == ["c"] and sched.decoding == 1
+    assert moves.calls == [] and ids(sched.rows) == ["c"] and sched.decoding == 1
 
 
 # -- deadlines and cancellation ---------------------------------------------------------------
@@ -269,7 +270,7 @@ def test_remove_rows_moves_the_last_row_into_each_hole_and_publishes_the_load():
     moves = Moves()
     assert ids(sched.remove_rows([0, 2], moves)) == ["c", "a"]
     assert moves.calls == [(3, 2, 8), (2, 0, 8)]  # d fills c's row, then a's
-    assert ids(sched.running) == ["d", "b"]
+    assert ids(sched.rows) == ["d", "b"]
     sched.publish_load()
     load = sched.load
     assert (load.running_sequences, load.waiting_requests, load.kv_cache_used_tokens) == (2, 0, 6 + 8)
@@ -283,4 +284,4 @@ def test_removing_the_last_row_moves_nothing():
     sched.admit()
     moves = Moves()
     sched.remove_rows([1], moves)
-    assert moves.calls == [] and ids(sched.running) == ["a"]
+    assert moves.calls == [] and ids(sched.rows) == ["a"]

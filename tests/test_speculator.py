@@ -12,13 +12,16 @@ import torch
 from engine_service.generation.sampler import new_generator
 from engine_service.generation.speculative import SpeculativeConfig, verify
 from engine_service.requests import Request, SamplingParams
+from engine_service.runtime.delta import Delta
 from engine_service.runtime.faults import FaultInjector, FaultPlan
-from engine_service.runtime.loop import DecodeLoop, Emission
+from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import StepLogits
 from engine_service.runtime.speculator import Speculator
 from engine_service.scheduling.prefill_budget import PrefillBudget
-from engine_service.scheduling.scheduler import Prefill, Scheduler
+from engine_service.scheduling.scheduler import Scheduler
 from engine_service.scheduling.sequence import Sequence
+from engine_service.scheduling.step_plan import PlanError, StepPlan
+from tests.step_plans import unpack
 
 VOCAB = 16
 PERIOD = 5  # the fake model's text repeats every 5 tokens
@@ -46,8 +49,8 @@ class SpeculatingRunner:
         self.cache = FakeCache()
         self.drafts_seen: list[list[list[int]] | None] = []
 
-    def forward(self, decoding: list[Sequence], prefills: list[Prefill],
-                drafts: list[list[int]] | None = None) -> StepLogits:
+    def forward(self, plan: StepPlan) -> StepLogits:
+        decoding, prefills, drafts = unpack(plan)
         self.drafts_seen.append(drafts)
         rows = []
         for i, seq in enumerate(decoding):
@@ -67,11 +70,11 @@ def request(request_id: str, first: int, max_new: int, stop: frozenset[int] = fr
 
 
 def run(requests: list[Request], speculator: Speculator | None,
-        max_batch: int = 8) -> tuple[dict[str, list[int]], list[Emission], SpeculatingRunner, list[Sequence]]:
+        max_batch: int = 8) -> tuple[dict[str, list[int]], list[Delta], SpeculatingRunner, list[Sequence]]:
     runner = SpeculatingRunner()
     scheduler = Scheduler(max_batch=max_batch, max_context=256, queue_capacity=16, queue_retry_seconds=0.5,
                           prefill_token_budget=1024)
-    delivered: list[list[Emission]] = []
+    delivered: list[list[Delta]] = []
 
     def fatal(exc: BaseException) -> None:
         raise AssertionError(f"the loop called on_fatal: {exc!r}")
@@ -82,10 +85,10 @@ def run(requests: list[Request], speculator: Speculator | None,
     for s in seqs:
         scheduler.submit(s)
     for _ in range(200):
-        if not scheduler.running and not scheduler.waiting_count():
+        if not scheduler.rows and not scheduler.waiting_count():
             break
         loop.step()
-        for s in scheduler.running[:scheduler.decoding]:
+        for s in scheduler.rows[:scheduler.decoding]:
             assert s.cache_len == s.total_len - 1  # every input is in the cache but the newest token
     emissions = [e for step in delivered for e in step]
     tokens = {s.request_id: list(s.generated) for s in seqs}
@@ -102,7 +105,7 @@ def test_greedy_tokens_equal_plain_decodings_and_drafts_are_accepted() -> None:
     assert tokens == {"a": plain(0, 23), "b": plain(2, 7), "c": plain(4, 1)}
     assert tokens == run(requests, None)[0]
     a = seqs[0]
-    assert a.draft_tokens > 0 and a.accepted_tokens == a.draft_tokens  # the fake model always agrees
+    assert a.controls.draft_tokens > 0 and a.controls.accepted_tokens == a.controls.draft_tokens  # the fake model always agrees
     # after the first token, each step gives the row its draft (up to 4) and the token after it
     assert max(len(e.tokens) for e in emissions) == 5
     assert sum(len(e.tokens) for e in emissions if e.seq is a) == 23
@@ -129,8 +132,9 @@ def test_wrong_drafts_are_cut_at_the_first_mismatch() -> None:
     class Contrarian(SpeculatingRunner):
         """The model disagrees with every draft's second token."""
 
-        def forward(self, decoding, prefills, drafts=None):  # type: ignore[no-untyped-def]
-            logits = super().forward(decoding, prefills, drafts).sampled
+        def forward(self, plan: StepPlan) -> StepLogits:
+            _, _, drafts = unpack(plan)
+            logits = super().forward(plan).sampled
             if drafts is not None:
                 at = 0
                 for draft in drafts:
@@ -143,7 +147,7 @@ def test_wrong_drafts_are_cut_at_the_first_mismatch() -> None:
     runner = Contrarian()
     scheduler = Scheduler(max_batch=2, max_context=256, queue_capacity=4, queue_retry_seconds=0.5,
                           prefill_token_budget=1024)
-    delivered: list[list[Emission]] = []
+    delivered: list[list[Delta]] = []
     loop = DecodeLoop(runner, scheduler, FaultInjector(FaultPlan()), frozenset({15}), delivered.append,  # type: ignore[arg-type]
                       on_fatal=lambda exc: None, speculator=speculator)
     seq = Sequence(request("a", 3, 10), sink=None)
@@ -151,7 +155,7 @@ def test_wrong_drafts_are_cut_at_the_first_mismatch() -> None:
     loop.step()  # prefill: the first token
     loop.step()  # a draft of 4: the first accepted, the second refused and replaced
     assert delivered[-1][0].tokens == (plain(3, 10)[1], (plain(3, 10)[2] + 1) % PERIOD)
-    assert (seq.draft_tokens, seq.accepted_tokens) == (4, 1)
+    assert (seq.controls.draft_tokens, seq.controls.accepted_tokens) == (4, 1)
     assert seq.cache_len == seq.total_len - 1
 
 
@@ -172,17 +176,17 @@ def test_speculator_drafts_and_choose_directly() -> None:
     assert speculator.drafts([seq]) == [[4, 0, 1]]
     assert speculator.drafts([seq, seq, seq]) is None  # over max_rows
     seq.generated = [2, 3] + [4] * 6  # 8 of 10 generated: room for one token after this step's first
-    seq.ngram = None
+    seq.controls.ngram = None
     assert speculator.drafts([seq]) is None or all(len(d) <= 1 for d in speculator.drafts([seq]))
     logits = torch.zeros(4 + 1, VOCAB)
     for row, token in enumerate([4, 0, 2, 9]):
         logits[row, token] = 1.0
     logits[4, 7] = 1.0  # a completing prefill's row: the loop's to sample, not choose's
-    out = Speculator.choose(logits, [seq], [[4, 0, 1]])
+    out = Speculator.choose(logits, StepPlan.build([seq], [], [[4, 0, 1]]).decodes)
     assert out == [[4, 0, 2]]
-    assert (seq.draft_tokens, seq.accepted_tokens) == (3, 2)
-    with pytest.raises(ValueError):
-        Speculator.choose(logits, [seq, seq], [[4, 0, 1]])  # one draft per decoding row
+    assert (seq.controls.draft_tokens, seq.controls.accepted_tokens) == (3, 2)
+    with pytest.raises(PlanError):
+        StepPlan.build([seq, Sequence(seq.request, sink=None)], [], [[4, 0, 1]])  # one draft per decoding row
 
 
 def test_rows_whose_logits_are_processed_never_speculate() -> None:
@@ -198,7 +202,7 @@ def test_rows_whose_logits_are_processed_never_speculate() -> None:
         assert speculator.drafts([seq, other]) is None, params
     constrained = Sequence(seq.request, sink=None)
     constrained.generated = [2, 3]
-    constrained.constraint = object()  # type: ignore[assignment]
+    constrained.controls.constraint = object()  # type: ignore[assignment]
     assert speculator.drafts([constrained]) is None
 
 
@@ -215,7 +219,7 @@ def test_a_draft_fills_exactly_the_room_left_after_this_steps_first_token() -> N
     seq = Sequence(request("a", 0, 10), sink=None)  # text 0 1 2 3 4 0 1 2 3 4 0 1, then the model's own
     for generated, draft in ((6, [3, 4, 0]), (8, [0]), (9, None)):  # room 10 - generated - 1: 3, 1, 0
         seq.generated = plain(0, generated)
-        seq.ngram = None
+        seq.controls.ngram = None
         drafts = speculator.drafts([seq])
         assert drafts == (None if draft is None else [draft]), generated
 
@@ -230,19 +234,20 @@ def test_the_index_uses_the_configs_ngram_range() -> None:
     longer_match = text_sequence((1, 2, 3, 9, 5, 2, 3, 8, 1, 2, 3))  # 2-gram [2, 3] last seen before 8; 3-gram before 9
     one_token_match = text_sequence((4, 6, 4))  # only the 1-gram [4] repeats
     assert speculator.drafts([longer_match, one_token_match]) == [[8, 1], [6, 4]]
-    assert (longer_match.ngram.min_n, longer_match.ngram.max_n) == (1, 2)  # type: ignore[union-attr]
+    assert (longer_match.controls.ngram.min_n, longer_match.controls.ngram.max_n) == (1, 2)  # type: ignore[union-attr]
 
 
 def test_choose_verifies_a_sampled_row_with_its_own_generator() -> None:
     params = SamplingParams(temperature=1.0, seed=5)
     seq = text_sequence((0, 1, 2), sampling=params)
-    seq.generator = new_generator(params, torch.device("cpu"))
+    seq.controls.generator = new_generator(params, torch.device("cpu"))
     twin = new_generator(params, torch.device("cpu"))
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0], [0.0, 1.5, 0.3, 1.0], [1.0, 0.0, 1.0, 0.2]])
     with torch.random.fork_rng():
         for global_seed in range(40):
             torch.manual_seed(global_seed)
-            assert Speculator.choose(logits, [seq], [[0, 1]]) == [verify([0, 1], logits, params, twin)]
+            plan = StepPlan.build([seq], [], [[0, 1]])
+            assert Speculator.choose(logits, plan.decodes) == [verify([0, 1], logits, params, twin)]
 
 
 class SpyBudget(PrefillBudget):

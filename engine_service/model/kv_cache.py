@@ -3,7 +3,8 @@
 `KVCache` holds keys and values as (layers, rows, KV heads, positions, D), allocated once for
 `max_batch` rows of `max_context` positions. A row is one running sequence: position p of the row
 holds the keys and values of the sequence's token p. The rows are kept packed (the scheduler owns
-the rule: a sequence's row is its index in `Scheduler.running`): rows 0..d-1 are the decoding
+the rule, and each step's plan gives every sequence its row: scheduling/step_plan.py): rows 0..d-1
+are the decoding
 sequences, read as one batch by a decode step (`decode_mask`, one key range per row), and the rows
 after them are still prefilling their prompts, a `PromptChunk` a step, each chunk attending over
 its own row (`chunk_mask`). So attention reads views of the cache and never gathers; when a

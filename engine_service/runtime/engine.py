@@ -1,8 +1,8 @@
 """The async front of the engine: submit a parsed request, stream its tokens back.
 
 Bridges the event loop and the decode loop thread: the loop thread hands each step's emissions
-over with one `call_soon_threadsafe`; each request's TokenStream coalesces the tokens that
-arrived since its reader last looked into one StreamUpdate.
+over with one `call_soon_threadsafe`; each request's TokenStream joins the deltas that arrived
+since its reader last looked into one (runtime/delta.py).
 """
 
 from __future__ import annotations
@@ -18,21 +18,22 @@ import torch
 
 from engine_service.config import EngineConfig
 from engine_service.generation.constraint import Constraint, ConstraintCompiler
-from engine_service.generation.logprobs import TokenLogprobs
+from engine_service.generation.controls import Controls
 from engine_service.generation.output_text import OutputText
 from engine_service.generation.speculative import SpeculativeConfig
 from engine_service.machine.cpu import detect
 from engine_service.machine.precision import Precision, choose_dtype, choose_quantize
 from engine_service.model.loader import LoadedModel, load_model
 from engine_service.requests import Limits, Request, ResponseFormat
+from engine_service.runtime.delta import Delta
 from engine_service.runtime.faults import FaultInjector
-from engine_service.runtime.loop import DecodeLoop, Emission, set_threads
+from engine_service.runtime.loop import DecodeLoop, set_threads
 from engine_service.runtime.model_runner import ModelRunner
 from engine_service.runtime.speculator import Speculator
 from engine_service.scheduling.prefill_budget import PrefillBudget
 from engine_service.scheduling.prefix_cache import PrefixCache
 from engine_service.scheduling.scheduler import LoadSnapshot, Scheduler
-from engine_service.scheduling.sequence import FinishReason, Sequence
+from engine_service.scheduling.sequence import Sequence
 from shared.errors import EngineDraining, EngineError, EngineUnavailable, SequenceError
 
 log = structlog.get_logger()
@@ -59,71 +60,64 @@ class EngineInfo:
     precision_reason: str
 
 
-@dataclass
-class StreamUpdate:
-    """Tokens since the reader last looked, with the text they released and their log-probabilities
-    (when asked for); `finish` or `error` on the last update."""
-
-    tokens: list[int]
-    finish: FinishReason | None = None
-    error: EngineError | None = None
-    text: str = ""
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-
-
 @dataclass(eq=False)
 class TokenStream:
-    """One request's tokens on the event loop side."""
+    """One request's deltas on the event loop side: those its reader has not taken yet, joined
+    into one when it looks (`next`)."""
 
-    _pending: list[int] = field(default_factory=list)
-    _text: list[str] = field(default_factory=list)
-    _logprobs: list[TokenLogprobs] = field(default_factory=list)
-    _prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    _finish: FinishReason | None = None
-    _error: EngineError | None = None
-    _done: bool = False
+    seq: Sequence | None = None  # the sequence whose deltas these are (set when submitted)
+    _pending: list[Delta] = field(default_factory=list)
+    _end: Delta | None = None
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     interval: int = 1  # wake the reader once this many tokens wait (the first token and the end at once)
+    _waiting_tokens: int = 0
     _sent_first: bool = False
     _offered_at: float = 0.0
 
+    @property
+    def done(self) -> bool:
+        return self._end is not None
+
     def stalled_since(self, now: float) -> float:
         """Seconds the reader has left offered tokens untaken (0 when none are offered)."""
-        return now - self._offered_at if self._ready.is_set() and not self._done else 0.0
+        return now - self._offered_at if self._ready.is_set() and not self.done else 0.0
 
     def _offer(self) -> None:
         if not self._ready.is_set():
             self._offered_at = time.monotonic()
             self._ready.set()
 
-    def push(self, emission: Emission) -> None:
-        if self._done:  # already ended (stalled reader, drain, fatal): later tokens are moot
+    def push(self, delta: Delta) -> None:
+        if self.done:  # already ended (stalled reader, drain, fatal): later tokens are moot
             return
-        self._pending.extend(emission.tokens)
-        self._text.append(emission.text)
-        self._logprobs.extend(emission.logprobs)
-        self._prompt_logprobs.extend(emission.prompt_logprobs)
-        if emission.finish is not None or emission.error is not None:
-            self._finish, self._error, self._done = emission.finish, emission.error, True
-        if self._done or not self._sent_first or len(self._pending) >= self.interval:
+        self._pending.append(delta)
+        self._waiting_tokens += len(delta.tokens)
+        if delta.ends:
+            self._end = delta
+        if self.done or not self._sent_first or self._waiting_tokens >= self.interval:
             self._offer()
 
     def fail(self, error: EngineError) -> None:
-        if not self._done:
-            self._error, self._done = error, True
+        if not self.done:
+            self._end = Delta(self.seq, (), error=error, at=time.monotonic())  # type: ignore[arg-type]
+            self._pending.append(self._end)
             self._offer()
 
-    async def next(self) -> StreamUpdate:
+    async def next(self) -> Delta:
+        """The deltas since the last call as one: their tokens, text and log-probabilities in order,
+        the end (finish or error) when it came."""
         await self._ready.wait()
         self._ready.clear()
-        update = StreamUpdate(self._pending, text="".join(self._text), logprobs=self._logprobs,
-                              prompt_logprobs=self._prompt_logprobs)
-        self._pending, self._text, self._logprobs, self._prompt_logprobs = [], [], [], []
-        self._sent_first = self._sent_first or bool(update.tokens)
-        if self._done:
-            update.finish, update.error = self._finish, self._error
-        return update
+        pending, self._pending, self._waiting_tokens = self._pending, [], 0
+        end = self._end if self.done else None
+        joined = Delta(self.seq,  # type: ignore[arg-type]
+                       tuple(t for d in pending for t in d.tokens),
+                       finish=end.finish if end is not None else None, error=end.error if end is not None else None,
+                       at=pending[-1].at if pending else time.monotonic(), text="".join(d.text for d in pending),
+                       logprobs=tuple(lp for d in pending for lp in d.logprobs),
+                       prompt_logprobs=tuple(lp for d in pending for lp in d.prompt_logprobs))
+        self._sent_first = self._sent_first or bool(joined.tokens)
+        return joined
 
 
 @dataclass(eq=False)
@@ -290,10 +284,11 @@ class Engine:
         if self.draining:
             raise EngineDraining.build(self._grace)
         scheduler = self._started_scheduler()
-        stream = TokenStream(interval=self.config.stream_interval)
         text = OutputText(self.loaded.tokenizer.stream_decoder(), request.stop) if self.loaded is not None else None
-        handle = Handle(Sequence(request, sink=None, trace=trace or {}, text=text, constraint=constraint), stream)
-        handle.seq.sink = handle.stream
+        stream = TokenStream(interval=self.config.stream_interval)
+        seq = Sequence(request, sink=stream, trace=trace or {}, controls=Controls(request, text, constraint))
+        stream.seq = seq
+        handle = Handle(seq, stream)
         scheduler.submit(handle.seq)
         self._live.add(handle)
         self._idle.clear()
@@ -304,7 +299,7 @@ class Engine:
         A sequence still held by the loop is cancelled and frees its row within one step."""
         if handle in self._live:
             self._live.discard(handle)
-            if not handle.stream._done:
+            if not handle.stream.done:
                 handle.seq.cancelled = True
                 self._started_scheduler().wake()
         if not self._live:
@@ -317,14 +312,14 @@ class Engine:
         return self._scheduler.waiting_count() if self._scheduler is not None else 0
 
     # -- from the decode loop thread -------------------------------------------------------
-    def _deliver_threadsafe(self, emissions: list[Emission]) -> None:
-        if emissions:
-            self._started_loop().call_soon_threadsafe(self._deliver, emissions)
+    def _deliver_threadsafe(self, deltas: list[Delta]) -> None:
+        if deltas:
+            self._started_loop().call_soon_threadsafe(self._deliver, deltas)
 
     @staticmethod
-    def _deliver(emissions: list[Emission]) -> None:
-        for emission in emissions:
-            emission.seq.sink.push(emission)  # type: ignore[attr-defined]
+    def _deliver(deltas: list[Delta]) -> None:
+        for delta in deltas:
+            delta.seq.sink.push(delta)  # type: ignore[attr-defined]
 
     def _fatal_threadsafe(self, exc: BaseException) -> None:
         self._started_loop().call_soon_threadsafe(self._fatal, exc)

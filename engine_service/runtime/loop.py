@@ -13,24 +13,22 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from itertools import accumulate
+from collections.abc import Sequence as Seq
 
 import structlog
 import torch
 
-from engine_service.generation.constraint import apply_masks
-from engine_service.generation.logits_processors import Penalties, process
-from engine_service.generation.logprobs import TokenLogprobs, token_logprobs
-from engine_service.generation.sampler import new_generator, sample
+from engine_service.generation.controls import choose
+from engine_service.runtime.delta import Delta
 from engine_service.runtime.faults import FaultInjector
-from engine_service.runtime.model_runner import ModelRunner, StepLogits
+from engine_service.runtime.model_runner import ModelRunner
 from engine_service.runtime.speculator import Speculator
 from engine_service.scheduling.prefill_budget import PrefillBudget
 from engine_service.scheduling.prefix_cache import PrefixCache
-from engine_service.scheduling.scheduler import Prefill, Scheduler
-from engine_service.scheduling.sequence import FinishReason, Sequence
-from shared.errors import DeadlineExceeded, EngineError, SequenceError
+from engine_service.scheduling.scheduler import Scheduler
+from engine_service.scheduling.sequence import Sequence
+from engine_service.scheduling.step_plan import Prefill, StepPlan
+from shared.errors import DeadlineExceeded, SequenceError
 
 log = structlog.get_logger()
 
@@ -38,21 +36,7 @@ FATAL_EXIT_CODE = 70  # EX_SOFTWARE
 FATAL_EXIT_AFTER_SECONDS = 2.0
 
 
-@dataclass(frozen=True)
-class Emission:
-    """What one sequence produced in one step, delivered to its stream on the event loop."""
-
-    seq: Sequence
-    tokens: tuple[int, ...]
-    finish: FinishReason | None = None
-    error: EngineError | None = None
-    at: float = 0.0
-    text: str = ""  # the text these tokens release (output_text.py: stop strings hold some back)
-    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token, when the request asks for them
-    prompt_logprobs: tuple[TokenLogprobs, ...] = ()  # on its first emission, with echo_prompt_logprobs
-
-
-Deliver = Callable[[list[Emission]], None]
+Deliver = Callable[[list[Delta]], None]
 
 
 class DecodeLoop:
@@ -99,94 +83,72 @@ class DecodeLoop:
 
     def step(self) -> None:
         now = time.monotonic()
-        out: list[Emission] = []
+        out: list[Delta] = []
         sched, cache, prefix = self.scheduler, self.runner.cache, self.prefix_cache
         # drop: cancelled and expired sequences free their rows before anything runs
         for seq in sched.take_dropped_waiting(now):
             out.append(self._dropped(seq, now))
-        for seq in sched.remove_rows(sched.rows_to_drop(now), cache.move_row):
+        for seq in sched.drop(now, cache.move_row):
             out.append(self._dropped(seq, now))
-        # admit, and plan: the decoding rows, and prompt chunks within the prefill budget
+        # admit, and plan: the decoding rows (with their drafts), and prompt chunks within the prefill budget
         sched.admit()
-        if not sched.running:
+        if not sched.rows:
             sched.publish_load(prefix.stats())
             self._deliver(out)
             return
         self.steps += 1
         self.faults.before_forward(self.steps)
-        decoding = sched.running[:sched.decoding]
-        sched.prefill_token_budget = self.prefill_budget.tokens(len(decoding))
-        prefills = sched.plan_prefill(lambda seq, row: self._start(seq, row, now))
-        drafts = self.speculator.drafts(decoding) if self.speculator is not None else None
-        # forward + sample: the decoding rows (with their drafts), then the prompts whose last chunk this is
+        sched.prefill_token_budget = self.prefill_budget.tokens(sched.decoding)
+        plan = sched.plan(lambda seq, row: self._start(seq, row, now),
+                          self.speculator.drafts if self.speculator is not None else None)
+        # forward + sample: the decoding rows, then the prompts whose last chunk this is
         started = time.perf_counter()
-        logits = self.runner.forward(decoding, prefills, drafts)
-        for i, p in enumerate(prefills):
+        logits = self.runner.forward(plan)
+        for i, p in enumerate(plan.prefills):
             p.seq.cache_len = p.chunk.start + p.chunk.length
-            prefix.offer(p.seq.request.prompt_ids, cache, p.chunk.row, p.seq.cache_len)
+            prefix.offer(p.seq.request.prompt_ids, cache, p.row, p.seq.cache_len)
             if i in logits.prompt:
                 self._echo(p, logits.prompt[i])
-        producing = decoding + [p.seq for p in prefills if p.completes]
-        tokens, rows = self._tokens(logits, producing, drafts)
-        if drafts is None:  # a verify step's time is no measure of a decode step's
-            self._time_prefill(len(decoding), sum(p.chunk.length for p in prefills), time.perf_counter() - started)
+        producing = plan.producing
+        tokens = self._tokens(logits.sampled, plan)
+        if not plan.speculative:  # a verify step's time is no measure of a decode step's
+            self._time_prefill(len(plan.decodes), plan.prefill_tokens, time.perf_counter() - started)
         # emit: one sequence failing is that sequence's business alone
         emitted_at = time.monotonic()
-        doomed = self.faults.doomed_rows(self.steps, [s.request_id for s in producing],
-                                         [len(s.generated) for s in producing])
+        doomed = self.faults.doomed_rows(self.steps, [e.seq.request_id for e in producing],
+                                         [len(e.seq.generated) for e in producing])
         finished: list[Sequence] = []
-        for i, (seq, seq_tokens) in enumerate(zip(producing, tokens, strict=True)):
+        for i, (entry, seq_tokens) in enumerate(zip(producing, tokens, strict=True)):
+            seq = entry.seq
             try:
-                out.append(self._emit(seq, seq_tokens, i in doomed, emitted_at, logits.sampled[rows[i]:]))
+                out.append(self._emit(seq, seq_tokens, i in doomed, emitted_at, logits.sampled[entry.logits]))
             except SequenceError as err:
                 log.warning("sequence_aborted", request_id=seq.request_id, **seq.trace, reason=err.reason,
                             cause=err.metadata.get("cause"))
-                out.append(Emission(seq, (), error=err, at=emitted_at))
+                out.append(Delta(seq, (), error=err, at=emitted_at))
                 finished.append(seq)
                 continue
             if out[-1].finish is not None:
                 finished.append(seq)
-                prefix.offer(seq.request.prompt_ids + tuple(seq.generated), cache, sched.running.index(seq),
+                prefix.offer(seq.request.prompt_ids + tuple(seq.generated), cache, entry.row,
                              seq.cache_len)  # its generated blocks too, so that the next turn hits
         # retire
-        sched.promote(producing[len(decoding):], cache.swap_rows)
-        sched.remove_rows([sched.running.index(s) for s in finished], cache.move_row)
+        sched.retire(plan, finished, cache.swap_rows, cache.move_row)
         sched.publish_load(prefix.stats())
         self._deliver(out)
 
-    def _tokens(self, logits: StepLogits, producing: list[Sequence],
-                drafts: list[list[int]] | None) -> tuple[list[list[int]], list[int]]:
-        """Each producing sequence's tokens this step (one sampled, or a verified draft's several),
-        and the row of the logits its first token was chosen from (the others follow it)."""
-        if drafts is None:
-            return [[t] for t in self._choose(logits.sampled, producing)], list(range(len(producing)))
-        rows = list(accumulate((1 + len(d) for d in drafts), initial=0))
-        verified = Speculator.choose(logits.sampled, producing[:len(drafts)], drafts)
-        rest = self._choose(logits.sampled[rows[-1]:], producing[len(drafts):])
-        return verified + [[t] for t in rest], rows[:-1] + list(range(rows[-1], rows[-1] + len(rest)))
+    def _tokens(self, sampled: torch.Tensor, plan: StepPlan) -> list[list[int]]:
+        """Each producing entry's tokens this step: one sampled, or a verified draft's several."""
+        if not plan.speculative:
+            return [[t] for t in self._choose(sampled, [e.seq for e in plan.producing])]
+        verified = Speculator.choose(sampled, plan.decodes)
+        rest = plan.producing[len(plan.decodes):]
+        drafted = plan.decodes[-1].logits.stop  # the completing prompts' rows follow the drafts'
+        return verified + [[t] for t in self._choose(sampled[drafted:], [e.seq for e in rest])]
 
-    @torch.inference_mode()  # the model's logits are inference tensors: changed in place only in it
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token per row: the request's logit bias, min_new_tokens mask and penalties
-        (logits_processors.py), its response_format's mask (constraint.py), then its sampler.
-        `logits` stays raw when a row asks for log-probabilities (they are computed from it)."""
-        params = [s.request.sampling for s in seqs]
-        raw_needed = any(s.request.top_logprobs for s in seqs)  # else changed in place: no copy of the batch
-        chosen = process(logits, params, [s.penalties for s in seqs], [len(s.generated) for s in seqs],
-                         [self._banned(s) for s in seqs], in_place=not raw_needed)
-        constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
-        if constrained:
-            chosen = apply_masks(chosen.clone() if chosen is logits and raw_needed else chosen, constrained,
-                                 [seqs[i].constraint for i in constrained])
-        return sample(chosen, params, [s.generator for s in seqs])
-
-    def _banned(self, seq: Sequence) -> frozenset[int]:
-        """The tokens min_new_tokens holds back while the sequence has fewer: EOS and its stop
-        tokens; a constrained row's EOS stays its grammar's (once complete it allows EOS alone)."""
-        if seq.request.sampling.min_new_tokens <= len(seq.generated):
-            return frozenset()
-        ends = self.end_token_ids if seq.constraint is None else frozenset()
-        return ends | seq.request.stop_token_ids
+    def _choose(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
+        """One token per row, as each sequence's controls prepare and sample it."""
+        return choose(logits, [s.controls for s in seqs], [len(s.generated) for s in seqs], self.end_token_ids)
 
     @staticmethod
     def _echo(prefill: Prefill, logits: torch.Tensor) -> None:
@@ -194,8 +156,7 @@ class DecodeLoop:
         logits predicts the token at chunk.start + j + 1 (the last row of the prompt's last chunk
         predicts the first generated token, which is no prompt token)."""
         seq, chunk = prefill.seq, prefill.chunk
-        targets = seq.request.prompt_ids[chunk.start + 1:chunk.start + chunk.length + 1]
-        seq.prompt_logprobs.extend(token_logprobs(logits, targets, seq.request.top_logprobs))
+        seq.controls.echo(logits, seq.request.prompt_ids[chunk.start + 1:chunk.start + chunk.length + 1])
 
     def _time_prefill(self, decoding: int, fed: int, seconds: float) -> None:
         """Give a plain step's time to the prefill budget, which adapts to it."""
@@ -205,51 +166,44 @@ class DecodeLoop:
                       ms=round(seconds * 1000, 1), **self.prefill_budget.describe())
 
     def _start(self, seq: Sequence, row: int, now: float) -> None:
-        """A sequence's prefill begins: its generator, and the cached prefix of its prompt."""
+        """A sequence's prefill begins: its controls' generator and penalties, and the cached prefix
+        of its prompt."""
         request = seq.request
         seq.timings.prefill_started = now
-        seq.generator = new_generator(request.sampling, self.runner.device)
-        if request.sampling.penalized:
-            seq.penalties = Penalties(request.prompt_ids, self.runner.model.config.vocab_size, self.runner.device)
+        seq.controls.start(self.runner.device, lambda: self.runner.model.config.vocab_size)
         # a prompt whose log-probabilities are echoed is computed whole: cached positions give none
         seq.cache_len = seq.cached_tokens = 0 if request.echo_prompt_logprobs else \
             self.prefix_cache.reuse(request.prompt_ids, self.runner.cache, row)
 
-    def _emit(self, seq: Sequence, tokens: list[int], doomed: bool, at: float, logits: torch.Tensor) -> Emission:
+    def _emit(self, seq: Sequence, tokens: list[int], doomed: bool, at: float, logits: torch.Tensor) -> Delta:
         """Append this step's tokens (one, or a verified draft's several) up to the first that ends
         it; `logits` are the raw rows they were chosen from, the first token's first."""
         if doomed:
             raise self.faults.fail(seq.request_id, len(seq.generated), self.steps)
+        controls = seq.controls
         finish, kept, text = None, [], []
         for token in tokens:
             seq.generated.append(token)
             kept.append(token)
-            text.append(seq.text.push(token) if seq.text is not None else "")
-            if seq.constraint is not None:
-                seq.constraint.consume((token,))
-            if (finish := seq.finish_reason(token, self.end_token_ids)) is not None:
-                if seq.text is not None:
-                    text.append(seq.text.flush())
+            piece, finish = controls.accept(token, len(seq.generated), self.end_token_ids)
+            text.append(piece)
+            if finish is not None:
                 break
         seq.cache_len = seq.total_len - 1  # this step's inputs are in the cache; the newest token is not
-        if seq.ngram is not None:
-            seq.ngram.extend(kept)
-        if seq.penalties is not None:
-            seq.penalties.add(kept)
+        controls.advance(kept)
         first = seq.timings.first_token is None
         if first:
             seq.timings.first_token = at
         seq.timings.last_token = at
-        top = seq.request.top_logprobs
-        return Emission(seq, tuple(kept), finish=finish, at=at, text="".join(text),
-                        logprobs=tuple(token_logprobs(logits, kept, top)) if top else (),
-                        prompt_logprobs=tuple(seq.prompt_logprobs) if first else ())
+        return Delta(seq, tuple(kept), finish=finish, at=at, text="".join(text),
+                     logprobs=controls.logprobs(logits, kept),
+                     prompt_logprobs=tuple(controls.prompt_logprobs) if first else ())
 
     @staticmethod
-    def _dropped(seq: Sequence, now: float) -> Emission:
+    def _dropped(seq: Sequence, now: float) -> Delta:
         """A cancelled sequence needs no answer (its caller left); an expired one is told so."""
         error = None if seq.cancelled else DeadlineExceeded.build(seq.request_id, len(seq.generated))
-        return Emission(seq, (), error=error, at=now)
+        return Delta(seq, (), error=error, at=now)
 
 
 def set_threads(threads: int) -> None:

@@ -1,5 +1,6 @@
 """Runs the model for one step of the decode loop: one token for each decoding row, and this
-step's prompt chunks (scheduler.py), in one pass over the weights. A step with no chunk, the
+step's prompt chunks, in one pass over the weights, as the step's plan lays them out
+(scheduling/step_plan.py). A step with no chunk, the
 steady state, runs the traced decode (traced_decode.py)."""
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.quantize import quantize_model
 from engine_service.model.traced_decode import TracedDecode
-from engine_service.scheduling.scheduler import Prefill
-from engine_service.scheduling.sequence import Sequence
+from engine_service.scheduling.step_plan import Prefill, StepPlan
 
 log = structlog.get_logger()
 
@@ -49,31 +49,32 @@ class ModelRunner:
             except RuntimeError as err:  # the tracer's failures; eager decoding gives the same tokens, slower
                 log.warning("decode_trace_failed", error_type=type(err).__name__, error=str(err))
 
-    def forward(self, decoding: Seq[Sequence], prefills: Seq[Prefill],
-                drafts: Seq[Seq[int]] | None = None) -> StepLogits:
-        """Logits (d + K, V): the `decoding` rows' (rows 0..d-1, each fed its last token), then the
-        last prompt token's of each prefill that completes its prompt. With `drafts` (one list of
-        speculated tokens per decoding row, speculative.py), each decoding row i is fed its last
-        token and its draft, and gives 1 + len(drafts[i]) rows of logits, in order, instead of one.
-        Prefills whose request has echo_prompt_logprobs also give every token's (StepLogits.prompt)."""
-        if drafts is not None:
-            return self._verify(decoding, prefills, drafts)
-        tokens = torch.tensor([s.generated[-1] for s in decoding], dtype=torch.long, device=self.device)
-        positions = torch.tensor([s.cache_len for s in decoding], dtype=torch.long, device=self.device)
+    def forward(self, plan: StepPlan) -> StepLogits:
+        """The logits of `plan`'s step, laid out as its entries' `logits` slices say (step_plan.py):
+        each decode row's (fed its last token, or in a speculative plan its last token and its
+        draft: 1 + len(draft) rows), then the last prompt token's of each prefill that completes its
+        prompt. Prefills whose request has echo_prompt_logprobs also give every token's
+        (StepLogits.prompt). The decode rows are KV rows 0..d-1, which is what model.decode reads."""
+        if plan.speculative:
+            return self._verify(plan)
+        decodes, prefills = plan.decodes, plan.prefills
+        tokens = torch.tensor([d.seq.generated[-1] for d in decodes], dtype=torch.long, device=self.device)
+        positions = torch.tensor([d.seq.cache_len for d in decodes], dtype=torch.long, device=self.device)
         if not prefills:
             return StepLogits(self._decode(tokens, positions))
         echo = [i for i, p in enumerate(prefills) if p.seq.request.echo_prompt_logprobs]
         logits = self.model.step(tokens, positions, self._prompt_tokens(prefills), [p.chunk for p in prefills],
                                  self.cache, logits_of=[i for i, p in enumerate(prefills) if p.completes],
                                  every_token_of=echo)
-        return _split(logits, len(decoding), prefills, set(echo))
+        return _split(logits, len(decodes), prefills, set(echo))
 
-    def _verify(self, decoding: Seq[Sequence], prefills: Seq[Prefill], drafts: Seq[Seq[int]]) -> StepLogits:
-        """Each decoding row as a chunk of its last token and its draft at its next positions (the
-        keys and values of rejected draft tokens are overwritten later: the row's cache_len moves
-        past accepted tokens only), then the prefills' chunks."""
-        fed = [[s.generated[-1], *draft] for s, draft in zip(decoding, drafts, strict=True)]
-        chunks = [PromptChunk(row, s.cache_len, len(t)) for row, (s, t) in enumerate(zip(decoding, fed, strict=True))]
+    def _verify(self, plan: StepPlan) -> StepLogits:
+        """Each decode row as a chunk of its last token and its draft at its next positions, in its
+        row (the keys and values of rejected draft tokens are overwritten later: the row's
+        cache_len moves past accepted tokens only), then the prefills' chunks."""
+        prefills = plan.prefills
+        fed = [[d.seq.generated[-1], *d.draft] for d in plan.decodes]
+        chunks = [PromptChunk(d.row, d.seq.cache_len, len(f)) for d, f in zip(plan.decodes, fed, strict=True)]
         tokens = torch.tensor([t for f in fed for t in f], dtype=torch.long, device=self.device)
         none = tokens[:0]
         echo = {i for i, p in enumerate(prefills) if p.seq.request.echo_prompt_logprobs}
@@ -90,7 +91,7 @@ class ModelRunner:
 
 def _split(logits: torch.Tensor, decoded: int, prefills: Seq[Prefill], echo: set[int]) -> StepLogits:
     """The model's rows (the `decoded` decoding rows', then per prefill every token's when echoed,
-    else the last token's when it completes) as StepLogits: the sampled rows in forward's layout."""
+    else the last token's when it completes) as StepLogits: the sampled rows in the plan's layout."""
     if not echo:
         return StepLogits(logits)
     keep, prompt, at = list(range(decoded)), {}, decoded

@@ -15,8 +15,9 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from engine_service.generation.speculative import NgramIndex, SpeculativeConfig, verify
+from engine_service.generation.speculative import SpeculativeConfig
 from engine_service.scheduling.sequence import Sequence
+from engine_service.scheduling.step_plan import DecodeRow
 
 SPECULATIVE_MAX_ROWS = 4
 
@@ -31,31 +32,13 @@ class Speculator:
         or no row has a draft, or a row's logits are processed before sampling (logit bias,
         penalties, min_new_tokens, a response_format: verification knows the plain distribution
         only). A draft never runs past the row's max_new_tokens."""
-        if not decoding or len(decoding) > self.max_rows or not all(_plain(s) for s in decoding):
+        if not decoding or len(decoding) > self.max_rows or not all(s.controls.plain for s in decoding):
             return None
-        drafts = []
-        for seq in decoding:
-            if seq.ngram is None:
-                seq.ngram = NgramIndex(self.config.min_n, self.config.max_n)
-                seq.ngram.extend([*seq.request.prompt_ids, *seq.generated])
-            room = seq.request.max_new_tokens - len(seq.generated) - 1  # tokens after this step's first
-            drafts.append(seq.ngram.propose(min(self.config.num_tokens, room)) if room > 0 else [])
+        drafts = [seq.controls.draft(self.config, seq.generated) for seq in decoding]
         return drafts if any(drafts) else None
 
     @staticmethod
-    def choose(logits: torch.Tensor, decoding: Seq[Sequence], drafts: Seq[Seq[int]]) -> list[list[int]]:
-        """The tokens of each decoding sequence, by verifying its draft against its 1 + k rows of
-        `logits` (the rows after them, the completing prefills', are the loop's to sample)."""
-        out: list[list[int]] = []
-        at = 0
-        for seq, draft in zip(decoding, drafts, strict=True):
-            tokens = verify(draft, logits[at:at + 1 + len(draft)], seq.request.sampling, seq.generator)
-            seq.draft_tokens += len(draft)
-            seq.accepted_tokens += len(tokens) - 1
-            out.append(tokens)
-            at += 1 + len(draft)
-        return out
-
-
-def _plain(seq: Sequence) -> bool:
-    return not seq.request.sampling.processed and seq.constraint is None
+    def choose(logits: torch.Tensor, decodes: Seq[DecodeRow]) -> list[list[int]]:
+        """The tokens of each decode row, by verifying its draft against its rows of `logits`
+        (the rows after them, the completing prefills', are the loop's to sample)."""
+        return [d.seq.controls.verify(d.draft, logits[d.logits]) for d in decodes]

@@ -1,13 +1,14 @@
 """Waiting and running sequences: admission, chunked prefill, the bounded queue, deadlines and
-cancellation.
+cancellation, and each step's plan.
 
 The event loop thread calls `submit` and `wake`; the decode loop thread calls everything else.
-Running sequences are kept packed in KV cache rows 0..n-1 (see kv_cache.py): rows 0..decoding-1
-decode one token a step (the traced decode reads them as one batch), and the rows after them are
-still prefilling their prompts. Each step, prompts are prefilled in chunks within the per-step
-prefill token budget, oldest admission first, so a long prompt takes several steps and the
-decoding rows go on in every one of them (`plan_prefill`); a prompt whose last chunk ran has its
-first token and its row joins the decoding ones (`promote`).
+Running sequences are kept packed in KV cache rows 0..n-1: rows 0..decoding-1 decode one token a
+step (the traced decode reads them as one batch), and the rows after them are still prefilling
+their prompts. The running list is this class's own; what a step computes, and in which rows, is
+the `StepPlan` that `plan` builds (step_plan.py states the layout and checks it). Each step,
+prompts are prefilled in chunks within the per-step prefill token budget, oldest admission first,
+so a long prompt takes several steps and the decoding rows go on in every one of them; a prompt
+whose last chunk ran has its first token and its row joins the decoding ones (`retire`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from engine_service.model.kv_cache import PromptChunk
 from engine_service.scheduling.prefix_cache import PrefixCacheStats
 from engine_service.scheduling.sequence import Sequence
+from engine_service.scheduling.step_plan import StepPlan
 from shared.errors import QueueFull
 
 # A step with no decoding row prefills at least this many prompt tokens: a wave of 128-token
@@ -29,19 +31,7 @@ IDLE_PREFILL_TOKENS = 2048
 
 MoveRow = Callable[[int, int, int], None]  # (src, dst, length): KVCache.move_row
 SwapRows = Callable[[int, int, int, int], None]  # (a, b, length_a, length_b): KVCache.swap_rows
-
-
-@dataclass(frozen=True)
-class Prefill:
-    """One step's chunk of a sequence's prompt."""
-
-    seq: Sequence
-    chunk: PromptChunk
-
-    @property
-    def completes(self) -> bool:
-        """The chunk ends the prompt, so this step samples the sequence's first token."""
-        return self.chunk.start + self.chunk.length == len(self.seq.request.prompt_ids)
+Drafts = Callable[[list[Sequence]], list[list[int]] | None]  # the decoding rows' drafts (runtime/speculator.py)
 
 
 @dataclass(frozen=True)
@@ -62,8 +52,8 @@ class Scheduler:
         self.queue_capacity = queue_capacity
         self.queue_retry_seconds = queue_retry_seconds
         self.prefill_token_budget = prefill_token_budget
-        self.running: list[Sequence] = []
-        self.decoding = 0  # running[:decoding] decode; the rest are prefilling
+        self._running: list[Sequence] = []  # KV row i holds _running[i]
+        self._decoding = 0  # _running[:_decoding] decode; the rest are prefilling
         self._admissions = 0
         self._waiting: deque[Sequence] = deque()
         self._cond = threading.Condition()
@@ -71,13 +61,23 @@ class Scheduler:
         self.finished_count = 0
         self.load = LoadSnapshot(kv_cache_capacity_tokens=max_batch * max_context)
 
+    @property
+    def rows(self) -> tuple[Sequence, ...]:
+        """The running sequences by KV row (a copy: the rows are the plan's to give)."""
+        return tuple(self._running)
+
+    @property
+    def decoding(self) -> int:
+        """How many rows decode (rows 0..decoding-1)."""
+        return self._decoding
+
     # -- event loop side -------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
         """Queue a parsed request, or raise QueueFull when the waiting queue is at capacity.
         Requests that free batch rows will take at the next step do not count against it."""
         with self._cond:
             depth = len(self._waiting)
-            free_rows = max(self.max_batch - len(self.running), 0)  # a racy read is fine: off by a step
+            free_rows = max(self.max_batch - len(self._running), 0)  # a racy read is fine: off by a step
             if depth >= self.queue_capacity + free_rows:
                 raise QueueFull.build(depth, self.queue_capacity, self.queue_retry_seconds)
             self._waiting.append(seq)
@@ -98,7 +98,7 @@ class Scheduler:
         """Block while nothing runs or waits. Returns False once stopped. (Queued deadlines need
         no timer: a queue is only non-empty while the loop is stepping.)"""
         with self._cond:
-            while not self._stopped and not self.running and not self._waiting:
+            while not self._stopped and not self._running and not self._waiting:
                 self._cond.wait()
             return not self._stopped
 
@@ -112,55 +112,72 @@ class Scheduler:
         return dropped
 
     def admit(self) -> list[Sequence]:
-        """Move waiting sequences into free rows, oldest first; they are appended to `running`
-        (after every decoding row) and prefill from the next `plan_prefill` on."""
+        """Move waiting sequences into free rows, oldest first; they take the rows after every
+        running one and prefill from the next `plan` on."""
         admitted: list[Sequence] = []
         with self._cond:
-            while self._waiting and len(self.running) + len(admitted) < self.max_batch:
+            while self._waiting and len(self._running) + len(admitted) < self.max_batch:
                 seq = self._waiting.popleft()
                 seq.admitted = self._admissions
                 self._admissions += 1
                 admitted.append(seq)
-        self.running.extend(admitted)
+        self._running.extend(admitted)
         return admitted
 
-    def plan_prefill(self, start: Callable[[Sequence, int], None]) -> list[Prefill]:
+    def plan(self, start: Callable[[Sequence, int], None], drafts: Drafts | None = None) -> StepPlan:
+        """This step's plan: every decoding row, with its draft when `drafts` gives any (None: a
+        plain step), and the prompt chunks of `_chunks`. `start(seq, row)` is called for a
+        sequence about to prefill its first chunk (it may put a cached prefix into the row and
+        advance `cache_len`)."""
+        decoding = self._running[:self._decoding]
+        return StepPlan.build(decoding, self._chunks(start), drafts(decoding) if drafts is not None else None)
+
+    def _chunks(self, start: Callable[[Sequence, int], None]) -> list[tuple[Sequence, PromptChunk]]:
         """This step's prompt chunks: the prefilling rows in admission order, each given the rest of
         its prompt or what remains of the budget, until the budget is spent. The budget is the
         prefill token budget while any row decodes, else at least max_context and
-        IDLE_PREFILL_TOKENS. `start(seq, row)` is called for a sequence about to prefill its first
-        chunk (it may put a cached prefix into the row and advance `cache_len`)."""
+        IDLE_PREFILL_TOKENS."""
         # the budget bounds how long decoding rows wait for a step; with none, nobody waits, and
         # whole prompts (a wave of them, or one of any allowed length) go in one piece: larger
         # matmuls are faster per token
-        budget = self.prefill_token_budget if self.decoding else max(self.prefill_token_budget, self.max_context,
-                                                                     IDLE_PREFILL_TOKENS)
-        plans: list[Prefill] = []
-        for row in sorted(range(self.decoding, len(self.running)), key=lambda r: self.running[r].admitted):
+        budget = self.prefill_token_budget if self._decoding else max(self.prefill_token_budget, self.max_context,
+                                                                      IDLE_PREFILL_TOKENS)
+        chunks: list[tuple[Sequence, PromptChunk]] = []
+        for row in sorted(range(self._decoding, len(self._running)), key=lambda r: self._running[r].admitted):
             if budget == 0:
                 break
-            seq = self.running[row]
+            seq = self._running[row]
             if seq.timings.prefill_started is None:
                 start(seq, row)
             length = min(len(seq.request.prompt_ids) - seq.cache_len, budget)
-            plans.append(Prefill(seq, PromptChunk(row, seq.cache_len, length)))
+            chunks.append((seq, PromptChunk(row, seq.cache_len, length)))
             budget -= length
-        return plans
+        return chunks
+
+    def retire(self, plan: StepPlan, finished: list[Sequence], swap_rows: SwapRows, move_row: MoveRow) -> None:
+        """After the step of `plan`: its prompts that completed join the decoding rows, then the
+        `finished` sequences leave."""
+        self.promote([p.seq for p in plan.prefills if p.completes], swap_rows)
+        self.remove_rows([self._running.index(s) for s in finished], move_row)
+
+    def drop(self, now: float, move_row: MoveRow) -> list[Sequence]:
+        """Retire the running sequences that were cancelled or whose deadline passed; returns them."""
+        return self.remove_rows(self.rows_to_drop(now), move_row)
 
     def promote(self, seqs: list[Sequence], swap_rows: SwapRows) -> None:
         """`seqs`, prefilling rows that have just produced their first token, join the decoding
         rows: each is swapped with the first prefilling row unless it is that row already."""
         for seq in seqs:
-            row, first = self.running.index(seq), self.decoding
+            row, first = self._running.index(seq), self._decoding
             if row != first:
-                other = self.running[first]
+                other = self._running[first]
                 swap_rows(first, row, other.cache_len, seq.cache_len)
-                self.running[first], self.running[row] = seq, other
-            self.decoding += 1
+                self._running[first], self._running[row] = seq, other
+            self._decoding += 1
 
     def rows_to_drop(self, now: float) -> list[int]:
         """Rows of running sequences that were cancelled or whose deadline passed."""
-        return [row for row, s in enumerate(self.running) if s.cancelled or _expired(s, now)]
+        return [row for row, s in enumerate(self._running) if s.cancelled or _expired(s, now)]
 
     def remove_rows(self, rows: list[int], move_row: MoveRow) -> list[Sequence]:
         """Retire `rows`, keeping both kinds packed: the last decoding row moves into a decoding
@@ -168,29 +185,29 @@ class Scheduler:
         (`move_row(src, dst, length)` copies its KV). Returns the removed sequences."""
         removed = []
         for row in sorted(rows, reverse=True):  # so that every row still to remove stays where it is
-            removed.append(self.running[row])
-            if row < self.decoding:
-                self.decoding -= 1
-                self._move(self.decoding, row, move_row)
-                row = self.decoding
-            self._move(len(self.running) - 1, row, move_row)
-            self.running.pop()
+            removed.append(self._running[row])
+            if row < self._decoding:
+                self._decoding -= 1
+                self._move(self._decoding, row, move_row)
+                row = self._decoding
+            self._move(len(self._running) - 1, row, move_row)
+            self._running.pop()
         self.finished_count += len(removed)
         return removed
 
     def _move(self, src: int, dst: int, move_row: MoveRow) -> None:
         if src != dst:
-            moved = self.running[src]
+            moved = self._running[src]
             move_row(src, dst, moved.cache_len)
-            self.running[dst] = moved
+            self._running[dst] = moved
 
     def publish_load(self, prefix_cache: PrefixCacheStats | None = None) -> None:
         with self._cond:
             waiting = len(self._waiting)
         self.load = LoadSnapshot(
-            running_sequences=len(self.running),
+            running_sequences=len(self._running),
             waiting_requests=waiting,
-            kv_cache_used_tokens=sum(s.cache_len for s in self.running),
+            kv_cache_used_tokens=sum(s.cache_len for s in self._running),
             kv_cache_capacity_tokens=self.max_batch * self.max_context,
             requests_finished=self.finished_count,
             prefix_cache=prefix_cache or self.load.prefix_cache,

@@ -9,7 +9,7 @@ too: `RequestTelemetry.finish` (the `request_finished` event, the metrics, the s
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 import grpc
@@ -18,10 +18,10 @@ from google.protobuf.message import DecodeError
 
 from engine.v1 import engine_pb2 as pb
 from engine_service import __version__
+from engine_service.generation.controls import FinishReason
 from engine_service.generation.logprobs import TokenLogprobs
 from engine_service.requests import Request, loggable_request_id, parse_tokenize
 from engine_service.runtime.engine import Engine, Handle
-from engine_service.scheduling.sequence import FinishReason
 from engine_service.transport.metrics import EngineMetrics, disabled_meter
 from engine_service.transport.telemetry import RequestOutcome, RequestTelemetry
 from shared.engine_channel import REPLICA_HEADER
@@ -116,7 +116,7 @@ class EngineServicer:
         seq = handle.seq
         return replace(outcome, prompt_tokens=len(seq.request.prompt_ids), output_tokens=len(seq.generated),
                        cached_prompt_tokens=seq.cached_tokens, timings=seq.timings,
-                       draft_tokens=seq.draft_tokens, accepted_tokens=seq.accepted_tokens)
+                       draft_tokens=seq.controls.draft_tokens, accepted_tokens=seq.controls.accepted_tokens)
 
     async def _stream(self, handle: Handle) -> AsyncIterator[pb.DecodeResponse]:
         seq = handle.seq
@@ -133,13 +133,13 @@ class EngineServicer:
             if update.finish is not None:
                 t = seq.timings
                 response.finish_reason = FINISH_REASONS[update.finish]
-                if seq.text is not None and seq.text.stop_string is not None:
-                    response.stop_string = seq.text.stop_string
+                if seq.controls.text is not None and seq.controls.text.stop_string is not None:
+                    response.stop_string = seq.controls.text.stop_string
                 response.usage.prompt_tokens = len(seq.request.prompt_ids)
                 response.usage.completion_tokens = len(seq.generated)
                 response.usage.cached_prompt_tokens = seq.cached_tokens
-                response.usage.speculative_draft_tokens = seq.draft_tokens
-                response.usage.speculative_accepted_tokens = seq.accepted_tokens
+                response.usage.speculative_draft_tokens = seq.controls.draft_tokens
+                response.usage.speculative_accepted_tokens = seq.controls.accepted_tokens
                 response.timing.queue_seconds = (t.prefill_started or t.accepted) - t.accepted
                 response.timing.time_to_first_token_seconds = (t.first_token or t.accepted) - t.accepted
                 response.timing.total_seconds = (t.last_token or t.accepted) - t.accepted
@@ -212,7 +212,7 @@ class EngineServicer:
 
 
 
-def _logprobs(values: list[TokenLogprobs], piece: Callable[[int], str]) -> list[pb.TokenLogprob]:
+def _logprobs(values: Sequence[TokenLogprobs], piece: Callable[[int], str]) -> list[pb.TokenLogprob]:
     return [pb.TokenLogprob(token_id=v.token_id, text=piece(v.token_id), logprob=v.logprob,
                             top=[pb.TopLogprob(token_id=t, text=piece(t), logprob=lp) for t, lp in v.top])
             for v in values]
