@@ -13,8 +13,10 @@ from structlog.testing import LogCapture
 
 from engine.v1 import engine_pb2_grpc
 from engine_service.config import EngineConfig, ServerConfig
+from engine_service.runtime.build import build_engine
 from engine_service.runtime.engine import Engine
 from engine_service.transport import telemetry as telemetry_module
+from engine_service.transport.engine_slot import EngineSlot
 from engine_service.transport.metrics import EngineMetrics, MetricsServer, start_metrics_server
 from engine_service.transport.server import RunningServer, create_server
 from engine_service.transport.telemetry import RequestTelemetry
@@ -44,11 +46,10 @@ async def served(config: EngineConfig, monkeypatch, server_config: ServerConfig 
     capturing = structlog.wrap_logger(None, processors=[captured], wrapper_class=structlog.BoundLogger)
     monkeypatch.setattr(telemetry_module, "log", capturing)
     meter, metrics = start_metrics_server("127.0.0.1", 0)
-    engine = Engine(config)
-    running = await create_server(engine, server_config or ServerConfig(port=0),
+    engine = await build_engine(config)
+    running = await create_server(EngineSlot.holding(engine), server_config or ServerConfig(port=0),
                                   RequestTelemetry(EngineMetrics(meter, engine.load, engine.waiting)))
     await running.server.start()
-    await engine.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
             yield Served(engine, running, engine_pb2_grpc.EngineServiceStub(channel), metrics, captured)

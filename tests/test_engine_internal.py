@@ -11,17 +11,17 @@ from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 from engine_service import requests as engine_requests
 from engine_service.config import EngineConfig, ServerConfig
-from engine_service.runtime.engine import Engine
+from engine_service.runtime.build import build_engine
+from engine_service.transport.engine_slot import EngineSlot
 from engine_service.transport.server import create_server
 from shared.errors import InternalError, from_rpc_error
 
 
 @pytest.fixture
 async def served():
-    engine = Engine(EngineConfig(model="tiny", max_batch=2, max_context=128, max_new_tokens_limit=64))
-    running = await create_server(engine, ServerConfig(port=0))
+    engine = await build_engine(EngineConfig(model="tiny", max_batch=2, max_context=128, max_new_tokens_limit=64))
+    running = await create_server(EngineSlot.holding(engine), ServerConfig(port=0))
     await running.server.start()
-    await engine.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
         yield engine_pb2_grpc.EngineServiceStub(channel)
     engine.stop()

@@ -12,6 +12,7 @@ import pytest
 
 from engine_service.config import EngineConfig
 from engine_service.requests import Request, SamplingParams
+from engine_service.runtime.build import build_engine
 from engine_service.runtime.engine import Engine
 from engine_service.scheduling.scheduler import LoadSnapshot
 
@@ -21,9 +22,8 @@ FREED_WITHIN_S = 0.5  # a step of the tiny model takes about a millisecond
 
 @pytest.fixture
 async def engine() -> AsyncIterator[Engine]:
-    engine = Engine(EngineConfig(model="tiny", max_batch=1, max_context=4096, max_new_tokens_limit=LONG,
-                                 queue_capacity=4))
-    await engine.start()
+    engine = await build_engine(EngineConfig(model="tiny", max_batch=1, max_context=4096, max_new_tokens_limit=LONG,
+                                             queue_capacity=4))
     yield engine
     engine.stop()
 

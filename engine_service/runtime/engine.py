@@ -10,35 +10,23 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import structlog
-import torch
 
 from engine_service.config import EngineConfig
 from engine_service.generation.constraint import Constraint, ConstraintCompiler
 from engine_service.generation.controls import Controls
 from engine_service.generation.output_text import OutputText
-from engine_service.generation.speculative import SpeculativeConfig
-from engine_service.machine.cpu import detect
-from engine_service.machine.precision import Precision, choose_dtype, choose_quantize
-from engine_service.model.loader import LoadedModel, load_model
+from engine_service.model.loader import LoadedModel
 from engine_service.requests import Limits, Request, ResponseFormat
 from engine_service.runtime.delta import Delta
-from engine_service.runtime.faults import FaultInjector
-from engine_service.runtime.loop import DecodeLoop, set_threads
-from engine_service.runtime.model_runner import ModelRunner
-from engine_service.runtime.speculator import Speculator
-from engine_service.scheduling.prefill_budget import PrefillBudget
-from engine_service.scheduling.prefix_cache import PrefixCache
-from engine_service.scheduling.scheduler import LoadSnapshot, Scheduler
+from engine_service.runtime.loop import DecodeLoop, Deliver
+from engine_service.scheduling.scheduler import LoadSnapshot
 from engine_service.scheduling.sequence import Sequence
 from shared.errors import EngineDraining, EngineError, EngineUnavailable, SequenceError
 
 log = structlog.get_logger()
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -128,84 +116,40 @@ class Handle:
     stream: TokenStream
 
 
+FatalCallback = Callable[[BaseException], None]
+# The decode loop, all but wired: given the engine's two callbacks from its thread, it returns the
+# DecodeLoop (not yet started) that delivers to them.
+LoopWiring = Callable[[Deliver, FatalCallback], DecodeLoop]
+
+
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    """A model served: built whole by `build_engine` (build.py), never half. A constructed Engine
+    runs: its decode loop thread and its stall watch start here (on the running event loop, which
+    the loop thread hands its emissions to), and `stop()` ends them."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, info: EngineInfo, limits: Limits,
+                 decode_loop: LoopWiring) -> None:
         self.config = config
-        self.loaded: LoadedModel | None = None
-        self.info: EngineInfo | None = None
-        self.limits: Limits | None = None
-        self._constraints: ConstraintCompiler | None = None
+        self.loaded = loaded
+        self.info = info
+        self.limits = limits
+        self._constraints: ConstraintCompiler | None = None  # built on first use (compile)
         self._constraints_built = asyncio.Lock()
-        self.ready = asyncio.Event()
         self.draining = False
         self._grace = 0.0
         self._fatal_message: str | None = None  # set once the decode loop has died: the engine is going down
         self._live: set[Handle] = set()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._fatal_callbacks: list[Callable[[BaseException], None]] = []
-        self._scheduler: Scheduler | None = None
-        self._loop_thread: DecodeLoop | None = None
-        self._event_loop: asyncio.AbstractEventLoop | None = None
-        self._stall_watch: asyncio.Task[None] | None = None
+        self._fatal_callbacks: list[FatalCallback] = []
+        self._event_loop = asyncio.get_running_loop()
+        self._loop_thread = decode_loop(self._deliver_threadsafe, self._fatal_threadsafe)
+        self._scheduler = self._loop_thread.scheduler
+        self._loop_thread.start()
+        self._stall_watch = asyncio.create_task(self._watch_stalls(config.stall_seconds))
 
     # -- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Load the model off the event loop, then start the decode loop thread."""
-        self._event_loop = asyncio.get_running_loop()
-        cfg = self.config
-        set_threads(cfg.threads)
-        cpu = detect()
-        dtype_name, dtype_reason = choose_dtype(cfg.dtype, cfg.device, cpu)
-        device, dtype = torch.device(cfg.device), DTYPES[dtype_name]
-        # Loaded in a thread that ends afterwards, not in asyncio's executor, whose threads live on.
-        # libgomp gives every thread that runs a parallel torch op an OpenMP team of its own, and
-        # while it manages more threads than there are cores it all but stops spin-waiting: the
-        # decode loop's OpenMP workers then sleep between the hundreds of small parallel ops of a
-        # step and are woken for each. Measured on SmolLM2 in bfloat16, batch 1, 2 cores: 1.4 cores
-        # busy and 57-67 ms a step with a second team alive, 2.0 cores and 44-54 ms without.
-        # So the decode loop's thread must be the only thread that runs torch for long.
-        loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load")
-        try:
-            loaded = await self._event_loop.run_in_executor(loader, load_model, cfg.model, device, dtype)
-            quantize, quantize_reason = choose_quantize(cfg.quantize, cfg.device, loaded.weight_format)
-            precision = Precision(dtype_name, quantize, f"{dtype_reason}; {quantize_reason}")
-            runner = await self._event_loop.run_in_executor(
-                loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize,
-                cfg.trace_decode)
-        finally:
-            loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
-        self.loaded = loaded
-        self.limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)
-        self.info = EngineInfo(
-            model=loaded.name, max_context_tokens=cfg.max_context, max_new_tokens_limit=cfg.max_new_tokens_limit,
-            max_batch_size=cfg.max_batch, queue_capacity=cfg.queue_capacity, vocab_size=loaded.config.vocab_size,
-            eos_token_id=loaded.config.eos_token_id if loaded.config.eos_token_id is not None
-            else loaded.tokenizer.eos_token_id, bos_token_id=loaded.tokenizer.bos_token_id,
-            device=str(device), dtype=precision.dtype, tokenizer=loaded.tokenizer.kind,
-            has_chat_template=loaded.chat_template is not None, quantization=precision.quantize,
-            cpu_capability=cpu.describe() if device.type == "cpu" else str(device), precision_reason=precision.reason,
-        )
-        budget = PrefillBudget(cfg.max_prefill_tokens, cfg.max_context)
-        self._scheduler = Scheduler(cfg.max_batch, cfg.max_context, cfg.queue_capacity, cfg.queue_retry_seconds,
-                                    prefill_token_budget=budget.tokens(1))
-        self._loop_thread = DecodeLoop(runner, self._scheduler, FaultInjector(cfg.faults),
-                                       _end_tokens(loaded), self._deliver_threadsafe, self._fatal_threadsafe,
-                                       PrefixCache(cfg.prefix_cache_tokens), budget,
-                                       Speculator(SpeculativeConfig(num_tokens=cfg.speculative_tokens))
-                                       if cfg.speculative == "ngram" else None)
-        self._loop_thread.start()
-        self._stall_watch = asyncio.create_task(self._watch_stalls(cfg.stall_seconds))
-        self.ready.set()
-        log.info("engine_ready", model=loaded.name, device=str(device), dtype=precision.dtype,
-                 quantize=precision.quantize, precision_reason=precision.reason, cpu=cpu.describe(),
-                 weight_format=loaded.weight_format, trace_decode=cfg.trace_decode, speculative=cfg.speculative,
-                 kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
-                 max_prefill_tokens=cfg.max_prefill_tokens or "auto", prefix_cache_tokens=cfg.prefix_cache_tokens,
-                 prefix_cache_bytes=runner.cache.bytes_per_token() * cfg.prefix_cache_tokens,
-                 tokenizer=loaded.tokenizer.kind)
-
-    def on_fatal(self, callback: Callable[[BaseException], None]) -> None:
+    def on_fatal(self, callback: FatalCallback) -> None:
         self._fatal_callbacks.append(callback)
 
     def begin_drain(self, grace_seconds: float) -> None:
@@ -225,8 +169,7 @@ class Engine:
         for handle in live:
             handle.seq.cancelled = True
             handle.stream.fail(error)
-        if self._scheduler is not None:
-            self._scheduler.wake()
+        self._scheduler.wake()
         return len(live)
 
     async def _watch_stalls(self, stall_seconds: float) -> None:
@@ -243,23 +186,11 @@ class Engine:
                     handle.stream.fail(SequenceError.build(
                         seq.request_id, len(seq.generated), f"reader stalled: took no tokens for {stalled:.1f} s"))
                     log.warning("reader_stalled", request_id=seq.request_id, **seq.trace, stalled_s=round(stalled, 3))
-                    self._started_scheduler().wake()
+                    self._scheduler.wake()
 
     def stop(self) -> None:
-        if self._stall_watch is not None:
-            self._stall_watch.cancel()
-        if self._loop_thread is not None:
-            self._loop_thread.stop()
-
-    def _started_scheduler(self) -> Scheduler:
-        if self._scheduler is None:
-            raise RuntimeError("the engine's scheduler was used before Engine.start() finished")
-        return self._scheduler
-
-    def _started_loop(self) -> asyncio.AbstractEventLoop:
-        if self._event_loop is None:
-            raise RuntimeError("the engine's event loop was used before Engine.start()")
-        return self._event_loop
+        self._stall_watch.cancel()
+        self._loop_thread.stop()
 
     # -- requests --------------------------------------------------------------------------
     async def compile(self, response_format: ResponseFormat, request_id: str) -> Constraint:
@@ -268,11 +199,9 @@ class Engine:
         compiler's own thread (a compile takes 1-50 ms, a pathological one seconds)."""
         async with self._constraints_built:
             if self._constraints is None:  # built on first use (0.3-0.6 s): most engines never constrain
-                if self.loaded is None:
-                    raise RuntimeError("the engine's constraint compiler was used before Engine.start() finished")
-                loaded = self.loaded
                 self._constraints = await asyncio.to_thread(
-                    ConstraintCompiler, loaded.tokenizer, loaded.config.vocab_size, _end_tokens(loaded))
+                    ConstraintCompiler, self.loaded.tokenizer, self.loaded.config.vocab_size,
+                    self._loop_thread.end_token_ids)
         return await self._constraints.compile_async(response_format, request_id)
 
     def submit(self, request: Request, trace: dict[str, str] | None = None,
@@ -283,8 +212,8 @@ class Engine:
             raise EngineUnavailable(self._fatal_message)
         if self.draining:
             raise EngineDraining.build(self._grace)
-        scheduler = self._started_scheduler()
-        text = OutputText(self.loaded.tokenizer.stream_decoder(), request.stop) if self.loaded is not None else None
+        scheduler = self._scheduler
+        text = OutputText(self.loaded.tokenizer.stream_decoder(), request.stop)
         stream = TokenStream(interval=self.config.stream_interval)
         seq = Sequence(request, sink=stream, trace=trace or {}, controls=Controls(request, text, constraint))
         stream.seq = seq
@@ -301,20 +230,20 @@ class Engine:
             self._live.discard(handle)
             if not handle.stream.done:
                 handle.seq.cancelled = True
-                self._started_scheduler().wake()
+                self._scheduler.wake()
         if not self._live:
             self._idle.set()
 
     def load(self) -> LoadSnapshot:
-        return self._scheduler.load if self._scheduler is not None else LoadSnapshot()
+        return self._scheduler.load
 
     def waiting(self) -> int:
-        return self._scheduler.waiting_count() if self._scheduler is not None else 0
+        return self._scheduler.waiting_count()
 
     # -- from the decode loop thread -------------------------------------------------------
     def _deliver_threadsafe(self, deltas: list[Delta]) -> None:
         if deltas:
-            self._started_loop().call_soon_threadsafe(self._deliver, deltas)
+            self._event_loop.call_soon_threadsafe(self._deliver, deltas)
 
     @staticmethod
     def _deliver(deltas: list[Delta]) -> None:
@@ -322,7 +251,7 @@ class Engine:
             delta.seq.sink.push(delta)  # type: ignore[attr-defined]
 
     def _fatal_threadsafe(self, exc: BaseException) -> None:
-        self._started_loop().call_soon_threadsafe(self._fatal, exc)
+        self._event_loop.call_soon_threadsafe(self._fatal, exc)
 
     def _fatal(self, exc: BaseException) -> None:
         # New calls get the same UNAVAILABLE as the streams in flight, never ENGINE_DRAINING: this
@@ -331,11 +260,3 @@ class Engine:
         self.end_all(EngineUnavailable(self._fatal_message))
         for callback in self._fatal_callbacks:
             callback(exc)
-
-
-def _end_tokens(loaded: LoadedModel) -> frozenset[int]:
-    """EOS ids that end generation: the model's own (all of them), else the tokenizer's."""
-    ids = set(loaded.config.end_token_ids)
-    if not ids and loaded.tokenizer.eos_token_id is not None:
-        ids.add(loaded.tokenizer.eos_token_id)
-    return frozenset(ids)

@@ -22,8 +22,10 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.v1 import engine_pb2
 from engine_service.config import EngineConfig, ServerConfig
+from engine_service.runtime.build import build_engine
 from engine_service.runtime.engine import Engine
 from engine_service.runtime.loop import FATAL_EXIT_CODE
+from engine_service.transport.engine_slot import EngineSlot
 from engine_service.transport.metrics import EngineMetrics, disabled_meter, start_metrics_server
 from engine_service.transport.security import BearerTokenInterceptor, server_credentials
 from engine_service.transport.servicer import SERVICE_NAME, EngineServicer
@@ -42,7 +44,7 @@ class RunningServer:
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
-    engine: Engine
+    slot: EngineSlot  # what it serves: LOADING, then READY with the engine
 
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -60,14 +62,15 @@ def replica_name(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
-async def create_server(engine: Engine, cfg: ServerConfig, telemetry: RequestTelemetry | None = None
+async def create_server(slot: EngineSlot, cfg: ServerConfig, telemetry: RequestTelemetry | None = None
                         ) -> RunningServer:
-    """Build the server with every service registered and bind it; health starts NOT_SERVING.
-    Without `telemetry`, requests are logged and traced but no metrics are kept."""
-    telemetry = telemetry or RequestTelemetry(EngineMetrics(disabled_meter(), engine.load, engine.waiting))
+    """Build the server serving what `slot` holds (or will) with every service registered, and
+    bind it; health starts NOT_SERVING. Without `telemetry`, requests are logged and traced but no
+    metrics are kept."""
+    telemetry = telemetry or RequestTelemetry(EngineMetrics(disabled_meter(), slot.load, slot.waiting))
     interceptors = [BearerTokenInterceptor(cfg.auth_token, telemetry)] if cfg.auth_token else []
     server = grpc.aio.server(options=grpc_options(cfg), interceptors=interceptors)
-    servicer = EngineServicer(engine, telemetry, log_text=cfg.log_text)
+    servicer = EngineServicer(slot, telemetry, log_text=cfg.log_text)
     server.add_generic_rpc_handlers((servicer.handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -87,7 +90,7 @@ async def create_server(engine: Engine, cfg: ServerConfig, telemetry: RequestTel
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {address}")
     servicer.replica = replica_name(cfg.host, port)
-    return RunningServer(server, port, health_servicer, engine)
+    return RunningServer(server, port, health_servicer, slot)
 
 
 async def set_health(running: RunningServer, status: int) -> None:
@@ -98,7 +101,7 @@ async def set_health(running: RunningServer, status: int) -> None:
 async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     """Run until drained (returns 0) or until the model fails to load (2); a fatal error exits the
     process with 70 from here (see `exit_now`)."""
-    engine = Engine(engine_cfg)
+    slot = EngineSlot()
     meter, metrics_server = disabled_meter(), None
     if server_cfg.metrics_port is not None:
         try:
@@ -107,16 +110,17 @@ async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
             log.error("engine_start_failed", error_type=type(err).__name__, error=str(err))
             return STARTUP_FAILED_EXIT_CODE
         log.info("metrics_started", host=server_cfg.host, port=metrics_server.port, path="/metrics")
-    telemetry = RequestTelemetry(EngineMetrics(meter, engine.load, engine.waiting))
+    telemetry = RequestTelemetry(EngineMetrics(meter, slot.load, slot.waiting))
     try:
-        return await _serve(engine, server_cfg, telemetry)
+        return await _serve(engine_cfg, slot, server_cfg, telemetry)
     finally:
         if metrics_server is not None:
             metrics_server.stop()
 
 
-async def _serve(engine: Engine, server_cfg: ServerConfig, telemetry: RequestTelemetry) -> int:
-    running = await create_server(engine, server_cfg, telemetry)
+async def _serve(engine_cfg: EngineConfig, slot: EngineSlot, server_cfg: ServerConfig,
+                 telemetry: RequestTelemetry) -> int:
+    running = await create_server(slot, server_cfg, telemetry)
     await running.server.start()
     log.info("server_started", host=server_cfg.host, port=running.port, tls=server_cfg.tls_cert is not None,
              mtls=server_cfg.tls_client_ca is not None, auth=server_cfg.auth_token is not None)
@@ -126,9 +130,14 @@ async def _serve(engine: Engine, server_cfg: ServerConfig, telemetry: RequestTel
     fatal = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
-    engine.on_fatal(lambda exc: fatal.set())
 
-    starting = asyncio.create_task(engine.start())
+    async def build_watched() -> Engine:
+        engine = await build_engine(engine_cfg)
+        # in the same task, before anything else runs on the event loop: no fatal goes unseen
+        engine.on_fatal(lambda exc: fatal.set())
+        return engine
+
+    starting = asyncio.create_task(build_watched())
     stopping = asyncio.create_task(stop_requested.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if starting.done() and starting.exception() is not None:
@@ -141,6 +150,8 @@ async def _serve(engine: Engine, server_cfg: ServerConfig, telemetry: RequestTel
         log.info("engine_stopped_while_loading")
         await running.server.stop(0)
         return 0
+    engine = starting.result()
+    slot.fill(engine)
     await set_health(running, health_pb2.HealthCheckResponse.SERVING)
     log.info("engine_serving", port=running.port)
 
@@ -161,7 +172,7 @@ async def _serve(engine: Engine, server_cfg: ServerConfig, telemetry: RequestTel
 async def drain(running: RunningServer, grace_seconds: float) -> int:
     """Admit nothing new (ENGINE_DRAINING), let streams in flight finish within the grace period,
     end the rest with ENGINE_DRAINING, then stop the server."""
-    engine = running.engine
+    engine = running.slot.ready_engine()
     engine.begin_drain(grace_seconds)
     await running.health.enter_graceful_shutdown()
     log.info("engine_draining", grace_seconds=grace_seconds, in_flight=engine.load().running_sequences)

@@ -21,7 +21,8 @@ from engine_service import __version__
 from engine_service.generation.controls import FinishReason
 from engine_service.generation.logprobs import TokenLogprobs
 from engine_service.requests import Request, loggable_request_id, parse_tokenize
-from engine_service.runtime.engine import Engine, Handle
+from engine_service.runtime.engine import Handle
+from engine_service.transport.engine_slot import EngineSlot
 from engine_service.transport.metrics import EngineMetrics, disabled_meter
 from engine_service.transport.telemetry import RequestOutcome, RequestTelemetry
 from shared.engine_channel import REPLICA_HEADER
@@ -53,10 +54,10 @@ async def _abort(context: grpc.aio.ServicerContext, err: EngineError) -> None:
 
 
 class EngineServicer:
-    def __init__(self, engine: Engine, telemetry: RequestTelemetry | None = None, log_text: bool = False) -> None:
-        self.engine = engine
+    def __init__(self, slot: EngineSlot, telemetry: RequestTelemetry | None = None, log_text: bool = False) -> None:
+        self.slot = slot  # what it serves: LOADING until the engine is built, then READY
         self.log_text = log_text  # --log-text: prompt and output text in the log (debug only)
-        self.telemetry = telemetry or RequestTelemetry(EngineMetrics(disabled_meter(), engine.load, engine.waiting))
+        self.telemetry = telemetry or RequestTelemetry(EngineMetrics(disabled_meter(), slot.load, slot.waiting))
         self.replica = ""  # this server's address, sent as `engine-replica` initial metadata (set once bound)
 
     async def decode(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
@@ -70,15 +71,15 @@ class EngineServicer:
                 await context.send_initial_metadata(((REPLICA_HEADER, self.replica),))
             msg = _parse_bytes(pb.DecodeRequest, raw)
             request_id = loggable_request_id(msg.request_id)  # the raw one, capped and escaped until parsed
-            await self.engine.ready.wait()
+            engine = await self.slot.engine()
             remaining = context.time_remaining()
             deadline = started + remaining if remaining is not None else None
-            loaded = self.engine.loaded
-            request = Request.parse(msg, self.engine.limits, loaded.tokenizer, deadline, loaded.chat_template)
+            loaded = engine.loaded
+            request = Request.parse(msg, engine.limits, loaded.tokenizer, deadline, loaded.chat_template)
             request_id = request.request_id
-            constraint = await self.engine.compile(request.response_format, request.request_id) \
+            constraint = await engine.compile(request.response_format, request.request_id) \
                 if request.response_format else None
-            handle = self.engine.submit(request, trace=ids, constraint=constraint)
+            handle = engine.submit(request, trace=ids, constraint=constraint)
             async for response in self._stream(handle):
                 if response.finish_reason:
                     finish = FINISH_REASON_NAMES[response.finish_reason]
@@ -91,7 +92,7 @@ class EngineServicer:
             error = InternalError.build(request_id or "unassigned")
         finally:
             if handle is not None:
-                self.engine.release(handle)
+                self.slot.ready_engine().release(handle)
             if error is not None:
                 code = status_code_of(error)
             self.telemetry.finish(span, self._outcome(request_id, code, error, started, msg, handle, finish))
@@ -101,7 +102,7 @@ class EngineServicer:
             await _abort(context, error)
 
     def _log_text(self, handle: Handle, ids: dict[str, str]) -> None:
-        tokenizer = self.engine.loaded.tokenizer
+        tokenizer = self.slot.ready_engine().loaded.tokenizer
         seq = handle.seq
         log.info("request_text", request_id=seq.request_id, **ids,
                  prompt_text=tokenizer.decode(list(seq.request.prompt_ids)), output_text=tokenizer.decode(seq.generated))
@@ -110,7 +111,7 @@ class EngineServicer:
                  msg: pb.DecodeRequest | None, handle: Handle | None, finish: str | None) -> RequestOutcome:
         outcome = RequestOutcome(request_id, code, error, started, time.monotonic(), finish_reason=finish,
                                  max_tokens=handle.seq.request.max_new_tokens if handle is not None else None,
-                                 model=self.engine.info.model if self.engine.info is not None else None)
+                                 model=self.slot.model)
         if handle is None:
             return outcome
         seq = handle.seq
@@ -120,7 +121,7 @@ class EngineServicer:
 
     async def _stream(self, handle: Handle) -> AsyncIterator[pb.DecodeResponse]:
         seq = handle.seq
-        piece = self.engine.loaded.tokenizer.piece
+        piece = self.slot.ready_engine().loaded.tokenizer.piece
         while True:
             update = await handle.stream.next()
             response = pb.DecodeResponse(request_id=seq.request_id, token_ids=update.tokens, text=update.text,
@@ -151,9 +152,9 @@ class EngineServicer:
     async def tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
             msg = _parse_bytes(pb.TokenizeRequest, raw)
-            await self.engine.ready.wait()
-            loaded = self.engine.loaded
-            ids = parse_tokenize(msg, self.engine.limits, loaded.tokenizer, loaded.chat_template)
+            engine = await self.slot.engine()
+            loaded = engine.loaded
+            ids = parse_tokenize(msg, engine.limits, loaded.tokenizer, loaded.chat_template)
             return pb.TokenizeResponse(token_ids=ids, pieces=[loaded.tokenizer.piece(i) for i in ids])
         except EngineError as err:
             error = err
@@ -168,8 +169,7 @@ class EngineServicer:
             _parse_bytes(pb.GetServerInfoRequest, raw)
         except EngineError as err:
             await _abort(context, err)
-        await self.engine.ready.wait()
-        info = self.engine.info
+        info = (await self.slot.engine()).info
         return pb.ServerInfo(
             model=info.model, max_context_tokens=info.max_context_tokens,
             max_new_tokens_limit=info.max_new_tokens_limit, max_batch_size=info.max_batch_size,
@@ -186,11 +186,11 @@ class EngineServicer:
             _parse_bytes(pb.GetLoadRequest, raw)
         except EngineError as err:
             await _abort(context, err)
-        load = self.engine.load()
+        load = self.slot.load()
         return pb.Load(
-            running_sequences=load.running_sequences, waiting_requests=self.engine.waiting(),
+            running_sequences=load.running_sequences, waiting_requests=self.slot.waiting(),
             kv_cache_used_tokens=load.kv_cache_used_tokens, kv_cache_capacity_tokens=load.kv_cache_capacity_tokens,
-            requests_finished=load.requests_finished, draining=self.engine.draining,
+            requests_finished=load.requests_finished, draining=self.slot.draining,
             prefix_cache_used_tokens=load.prefix_cache.used_tokens,
             prefix_cache_capacity_tokens=load.prefix_cache.capacity_tokens,
         )

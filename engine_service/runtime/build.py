@@ -1,0 +1,104 @@
+"""The engine's factory: an `EngineConfig` in, an `Engine` built whole and running out.
+
+Precision, model, runner, prefill budget, scheduler, decode loop and speculator are assembled
+here, once, in that order; the Engine receives them made and starts its decode loop thread. A load
+that fails raises (the server logs `engine_start_failed` and exits 2): no half-built engine exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+import torch
+
+from engine_service.config import EngineConfig
+from engine_service.generation.speculative import SpeculativeConfig
+from engine_service.machine.cpu import CpuInfo, detect
+from engine_service.machine.precision import Precision, choose_dtype, choose_quantize
+from engine_service.model.loader import LoadedModel, load_model
+from engine_service.requests import Limits
+from engine_service.runtime.engine import Engine, EngineInfo, FatalCallback
+from engine_service.runtime.faults import FaultInjector
+from engine_service.runtime.loop import DecodeLoop, Deliver, set_threads
+from engine_service.runtime.model_runner import ModelRunner
+from engine_service.runtime.speculator import Speculator
+from engine_service.scheduling.prefill_budget import PrefillBudget
+from engine_service.scheduling.prefix_cache import PrefixCache
+from engine_service.scheduling.scheduler import Scheduler
+
+log = structlog.get_logger()
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+async def build_engine(config: EngineConfig) -> Engine:
+    """Load the model off the event loop, assemble the engine around it and start its decode loop
+    thread; logs `engine_ready`. Raises whatever the load raises (a missing model, a bad checkpoint)."""
+    cfg = config
+    set_threads(cfg.threads)
+    cpu = detect()
+    dtype_name, dtype_reason = choose_dtype(cfg.dtype, cfg.device, cpu)
+    device, dtype = torch.device(cfg.device), DTYPES[dtype_name]
+    event_loop = asyncio.get_running_loop()
+    # Loaded in a thread that ends afterwards, not in asyncio's executor, whose threads live on.
+    # libgomp gives every thread that runs a parallel torch op an OpenMP team of its own, and
+    # while it manages more threads than there are cores it all but stops spin-waiting: the
+    # decode loop's OpenMP workers then sleep between the hundreds of small parallel ops of a
+    # step and are woken for each. Measured on SmolLM2 in bfloat16, batch 1, 2 cores: 1.4 cores
+    # busy and 57-67 ms a step with a second team alive, 2.0 cores and 44-54 ms without.
+    # So the decode loop's thread must be the only thread that runs torch for long.
+    loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load")
+    try:
+        loaded = await event_loop.run_in_executor(loader, load_model, cfg.model, device, dtype)
+        quantize, quantize_reason = choose_quantize(cfg.quantize, cfg.device, loaded.weight_format)
+        precision = Precision(dtype_name, quantize, f"{dtype_reason}; {quantize_reason}")
+        runner = await event_loop.run_in_executor(
+            loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize,
+            cfg.trace_decode)
+    finally:
+        loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
+    limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)
+    info = _engine_info(cfg, loaded, precision, device, cpu)
+    budget = PrefillBudget(cfg.max_prefill_tokens, cfg.max_context)
+    scheduler = Scheduler(cfg.max_batch, cfg.max_context, cfg.queue_capacity, cfg.queue_retry_seconds,
+                          prefill_token_budget=budget.tokens(1))
+
+    def decode_loop(deliver: Deliver, on_fatal: FatalCallback) -> DecodeLoop:
+        return DecodeLoop(runner, scheduler, FaultInjector(cfg.faults), _end_tokens(loaded), deliver, on_fatal,
+                          PrefixCache(cfg.prefix_cache_tokens), budget,
+                          Speculator(SpeculativeConfig(num_tokens=cfg.speculative_tokens))
+                          if cfg.speculative == "ngram" else None)
+
+    engine = Engine(cfg, loaded, info, limits, decode_loop)
+    log.info("engine_ready", model=loaded.name, device=str(device), dtype=precision.dtype,
+             quantize=precision.quantize, precision_reason=precision.reason, cpu=cpu.describe(),
+             weight_format=loaded.weight_format, trace_decode=cfg.trace_decode, speculative=cfg.speculative,
+             kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
+             max_prefill_tokens=cfg.max_prefill_tokens or "auto", prefix_cache_tokens=cfg.prefix_cache_tokens,
+             prefix_cache_bytes=runner.cache.bytes_per_token() * cfg.prefix_cache_tokens,
+             tokenizer=loaded.tokenizer.kind)
+    return engine
+
+
+def _engine_info(cfg: EngineConfig, loaded: LoadedModel, precision: Precision, device: torch.device,
+                 cpu: CpuInfo) -> EngineInfo:
+    """What GetServerInfo tells a client about this engine."""
+    return EngineInfo(
+        model=loaded.name, max_context_tokens=cfg.max_context, max_new_tokens_limit=cfg.max_new_tokens_limit,
+        max_batch_size=cfg.max_batch, queue_capacity=cfg.queue_capacity, vocab_size=loaded.config.vocab_size,
+        eos_token_id=loaded.config.eos_token_id if loaded.config.eos_token_id is not None
+        else loaded.tokenizer.eos_token_id, bos_token_id=loaded.tokenizer.bos_token_id,
+        device=str(device), dtype=precision.dtype, tokenizer=loaded.tokenizer.kind,
+        has_chat_template=loaded.chat_template is not None, quantization=precision.quantize,
+        cpu_capability=cpu.describe() if device.type == "cpu" else str(device), precision_reason=precision.reason,
+    )
+
+
+def _end_tokens(loaded: LoadedModel) -> frozenset[int]:
+    """EOS ids that end generation: the model's own (all of them), else the tokenizer's."""
+    ids = set(loaded.config.end_token_ids)
+    if not ids and loaded.tokenizer.eos_token_id is not None:
+        ids.add(loaded.tokenizer.eos_token_id)
+    return frozenset(ids)
