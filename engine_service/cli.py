@@ -16,8 +16,8 @@ from engine_service.config import (
     EngineConfig,
     ServerConfig,
 )
+from engine_service.faults import FaultPlan
 from engine_service.model.presets import DEFAULT_MODEL, PACKAGED, PRESETS
-from engine_service.runtime.faults import FaultPlan
 from engine_service.scheduling.prefix_cache import BLOCK_TOKENS
 from shared.logging import configure_logging
 from shared.tracing import configure_tracing, shutdown_tracing

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_service.runtime.faults import FaultPlan
+from engine_service.faults import FaultPlan
 from engine_service.scheduling.prefix_cache import BLOCK_TOKENS
 
 # Prompt tokens prefilled in a step that also decodes: by default (None) adapted to the step times

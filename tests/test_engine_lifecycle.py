@@ -66,7 +66,7 @@ def test_an_aborted_sequence_frees_its_row_at_once(start_engine):
 
 
 def test_sequence_error_rate_dooms_exactly_the_predicted_requests(start_engine):
-    from engine_service.runtime.faults import FaultPlan
+    from engine_service.faults import FaultPlan
 
     plan = FaultPlan.parse(["sequence-error:rate=0.3,seed=7"])
     proc = start_engine("--model", "tiny", "--fault", "sequence-error:rate=0.3,seed=7")

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_service.faults import FaultInjector, FaultPlan
 from engine_service.model.loader import load_model
 from engine_service.requests import Request, SamplingParams
 from engine_service.runtime.delta import Delta
-from engine_service.runtime.faults import FaultInjector, FaultPlan
 from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import ModelRunner, StepLogits
 from engine_service.scheduling.scheduler import Scheduler

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine_service.faults import FaultInjector, FaultPlan
 from engine_service.generation import controls as controls_module
 from engine_service.generation.controls import FinishReason
 from engine_service.generation.logprobs import TokenLogprobs, token_logprobs
@@ -26,7 +27,6 @@ from engine_service.model.presets import PRESETS
 from engine_service.requests import Request, SamplingParams
 from engine_service.runtime import loop as loop_module
 from engine_service.runtime.delta import Delta
-from engine_service.runtime.faults import FaultInjector, FaultPlan
 from engine_service.runtime.loop import FATAL_EXIT_CODE, DecodeLoop, set_threads
 from engine_service.runtime.model_runner import StepLogits
 from engine_service.runtime.speculator import Speculator

@@ -9,10 +9,10 @@ import time
 
 import torch
 
+from engine_service.faults import FaultInjector, FaultPlan
 from engine_service.generation.controls import FinishReason
 from engine_service.requests import Request, SamplingParams
 from engine_service.runtime.delta import Delta
-from engine_service.runtime.faults import FaultInjector, FaultPlan
 from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import StepLogits
 from engine_service.scheduling.scheduler import Scheduler

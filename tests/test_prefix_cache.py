@@ -17,11 +17,11 @@ import torch
 
 from engine.v1 import engine_pb2 as pb
 from engine_service.config import EngineConfig
+from engine_service.faults import FaultInjector, FaultPlan
 from engine_service.model.kv_cache import KVCache
 from engine_service.model.loader import load_model
 from engine_service.requests import Request, SamplingParams
 from engine_service.runtime.delta import Delta
-from engine_service.runtime.faults import FaultInjector, FaultPlan
 from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import ModelRunner
 from engine_service.scheduling.prefix_cache import BLOCK_TOKENS, PrefixCache

@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from engine_service.faults import FaultInjector, FaultPlan
 from engine_service.generation.sampler import new_generator
 from engine_service.generation.speculative import SpeculativeConfig, verify
 from engine_service.requests import Request, SamplingParams
 from engine_service.runtime.delta import Delta
-from engine_service.runtime.faults import FaultInjector, FaultPlan
 from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import StepLogits
 from engine_service.runtime.speculator import Speculator

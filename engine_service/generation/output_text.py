@@ -15,11 +15,8 @@ Only the text is held back here: the token ids are streamed as they are made (pr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
-
-class StreamDecoder(Protocol):
-    def step(self, ids: Sequence[int]) -> str: ...
+from engine_service.model.loader import StreamDecoder
 
 
 class OutputText:

@@ -4,6 +4,7 @@ directory."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -23,7 +24,10 @@ from engine_service.model.presets import PACKAGED, PRESET_SEED, PRESETS
 
 
 class StreamDecoder(Protocol):
-    def step(self, ids: list[int]) -> str: ...
+    """A tokenizer's incremental decoder: each call's text for the ids since the last one (the bytes
+    of an incomplete UTF-8 character held back until it completes)."""
+
+    def step(self, ids: Sequence[int]) -> str: ...
 
 
 class Tokenizer(Protocol):

@@ -14,13 +14,13 @@ import structlog
 import torch
 
 from engine_service.config import EngineConfig
+from engine_service.faults import FaultInjector
 from engine_service.generation.speculative import SpeculativeConfig
 from engine_service.machine.cpu import CpuInfo, detect
 from engine_service.machine.precision import Precision, choose_dtype, choose_quantize
 from engine_service.model.loader import LoadedModel, load_model
 from engine_service.requests import Limits
 from engine_service.runtime.engine import Engine, EngineInfo, FatalCallback
-from engine_service.runtime.faults import FaultInjector
 from engine_service.runtime.loop import DecodeLoop, Deliver, set_threads
 from engine_service.runtime.model_runner import ModelRunner
 from engine_service.runtime.speculator import Speculator

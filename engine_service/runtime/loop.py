@@ -18,9 +18,9 @@ from collections.abc import Sequence as Seq
 import structlog
 import torch
 
+from engine_service.faults import FaultInjector
 from engine_service.generation.controls import choose
 from engine_service.runtime.delta import Delta
-from engine_service.runtime.faults import FaultInjector
 from engine_service.runtime.model_runner import ModelRunner
 from engine_service.runtime.speculator import Speculator
 from engine_service.scheduling.prefill_budget import PrefillBudget
