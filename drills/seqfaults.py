@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from drills.common import Answer, EngineProcess, collect, note
 from drills.row import Checks, Row
 from engine.v1 import engine_pb2 as pb
-from engine_service.runtime.faults import FaultPlan
+from engine_service.faults import FaultPlan
 
 NAME = "seqfaults"
 SEED = 11
