@@ -62,7 +62,7 @@ FINDINGS (AIPerf's source: site-packages/aiperf/ of its venv; llama.cpp: the ven
   AIPERF_HTTP_KEEPALIVE_TIMEOUT), llama-server closes them after 5 s idle (cpp-httplib,
   vendor/cpp-httplib/httplib.h:26): at c=8 the warmup's connection, idle through the first wave,
   was reused dead ("Can not write request body"), counted failed, not retried; the next wave ran 7.
-  AIPerf gets our 3 s (openai_http.KEEPALIVE_TIMEOUT_S).
+  AIPerf gets our 3 s (openai_pool.KEEPALIVE_TIMEOUT_S).
 - Arrivals: both start all C at once and send one more as each ends (AIPerf: timing/config.py:57
   CONCURRENCY_BURST, timing/intervals.py:207 zero intervals under a semaphore of C; no ramp unless
   --concurrency-ramp-duration; its warmup ends before profiling, timing/config.py:548). llama-server
@@ -387,7 +387,7 @@ def aiperf_env_vars() -> dict[str, str]:
     """AIPerf's environment: its pooled connections kept idle no longer than ours are (3 s), under
     llama-server's 5 s (cpp-httplib's keep-alive timeout); AIPerf's default, 300 s, reuses
     connections the server has closed, and the request fails ("Can not write request body")."""
-    from bench_client.openai_http import KEEPALIVE_TIMEOUT_S
+    from bench_client.openai_pool import KEEPALIVE_TIMEOUT_S
 
     return {**os.environ, "AIPERF_HTTP_KEEPALIVE_TIMEOUT": str(int(KEEPALIVE_TIMEOUT_S))}
 

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from structlog.testing import LogCapture
 
-from bench_client import openai_http, openai_json
+from bench_client import openai_http, openai_json, openai_pool
 from bench_client.credentials import ChannelSecurity, TlsConfig
 from bench_client.openai_http import OpenAIClient
 from bench_client.server_api import ChatSpec, ChatTurn, Chunk, DecodeSpec, NoTokenizeEndpoint
@@ -714,7 +714,7 @@ def silent_server() -> Iterator[Callable[..., SilentServer]]:
 
 def capture_log(monkeypatch: pytest.MonkeyPatch) -> LogCapture:
     captured = LogCapture()
-    monkeypatch.setattr(openai_http, "log", structlog.wrap_logger(None, processors=[captured],
+    monkeypatch.setattr(openai_pool, "log", structlog.wrap_logger(None, processors=[captured],
                                                                   wrapper_class=structlog.BoundLogger))
     return captured
 
@@ -803,7 +803,7 @@ async def test_an_idle_connection_is_not_reused_past_the_keepalive_timeout(
     for _ in range(2):
         await collect(client.decode(SPEC, timeout=5))
     assert server.requests == [(1, 1), (1, 2)]  # within KEEPALIVE_TIMEOUT_S: the same connection
-    monkeypatch.setattr(openai_http, "KEEPALIVE_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(openai_pool, "KEEPALIVE_TIMEOUT_S", 0.1)
     client = client_for(server.url)
     await collect(client.decode(SPEC, timeout=5))
     await asyncio.sleep(0.3)
