@@ -20,7 +20,7 @@ from typing import TextIO
 from bench_client.config import EngineLaunchConfig
 from bench_client.engine_process import ManagedEngine
 from bench_client.rpc import EngineClient
-from bench_client.server_api import ChatMessage, ChatSpec, ServerClient, TokenLogprob
+from bench_client.server_api import ChatSpec, ChatTurn, ServerClient, TokenLogprob
 
 DEFAULT_MODEL = "smollm2"
 
@@ -36,9 +36,9 @@ class Question:
     json_schema: str | None = None  # the answer is JSON that validates against this schema
     top_logprobs: int = 0  # > 0: each answer token's log-probability, and this many alternatives
 
-    def messages(self) -> tuple[ChatMessage, ...]:
-        system = (ChatMessage("system", self.system),) if self.system else ()
-        return (*system, ChatMessage("user", self.text))
+    def messages(self) -> tuple[ChatTurn, ...]:
+        system = (ChatTurn("system", self.system),) if self.system else ()
+        return (*system, ChatTurn("user", self.text))
 
 
 @dataclass(frozen=True)

@@ -198,7 +198,7 @@ class EngineLaunchConfig:
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class SweepServerConfig:
     """One server of the sweep: its API, and either a running target or a command that starts it."""
 
     name: str  # the [servers.NAME] table's name; "" for the one server of a config without [servers]
@@ -220,7 +220,7 @@ class PreviewConfig:
 
 @dataclass(frozen=True)
 class SweepConfig:
-    servers: tuple[ServerConfig, ...]
+    servers: tuple[SweepServerConfig, ...]
     workload: WorkloadConfig
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     security: ChannelSecurity = field(default_factory=ChannelSecurity)
@@ -287,7 +287,7 @@ def parse_config(raw: Mapping[str, Any], *, base_dir: Path | None = None,
     )
 
 
-def _named_server(name: str, value: Any) -> ServerConfig:
+def _named_server(name: str, value: Any) -> SweepServerConfig:
     if not _SERVER_NAME.fullmatch(name):
         raise ConfigError(f"servers.{name} must be named with letters, digits, '-', '_' or '.' (at most 64), "
                           f"got {name!r}")
@@ -298,7 +298,7 @@ def _named_server(name: str, value: Any) -> ServerConfig:
                    launch or None)
 
 
-def _server(name: str, prefix: str, raw: Mapping[str, Any], launch_raw: Mapping[str, Any] | None) -> ServerConfig:
+def _server(name: str, prefix: str, raw: Mapping[str, Any], launch_raw: Mapping[str, Any] | None) -> SweepServerConfig:
     api = read_str(f"{prefix}api", raw.get("api", ENGINE_V1))
     if api not in APIS:
         raise ConfigError(f"{prefix}api must be one of {', '.join(repr(a) for a in APIS)}, got {api!r}")
@@ -320,7 +320,7 @@ def _server(name: str, prefix: str, raw: Mapping[str, Any], launch_raw: Mapping[
         if key in raw and api != OPENAI:
             raise ConfigError(f"{prefix}{key} applies to api = 'openai' only (engine.v1 reports its own), "
                               f"got {raw[key]!r} with api {api!r}")
-    return ServerConfig(
+    return SweepServerConfig(
         name=name, api=api, target=target, launch=launch,
         vocab_size=read_int(f"{prefix}vocab_size", raw["vocab_size"], minimum=2) if "vocab_size" in raw else None,
         model=read_str(f"{prefix}model", raw["model"]) if "model" in raw else None,

@@ -45,7 +45,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from bench_client.server_api import ChatMessage
+from bench_client.server_api import ChatTurn
 from bench_client.tokenizer import PromptTokenizer
 
 # vLLM's `is_valid_sequence` bounds
@@ -66,7 +66,7 @@ class DatasetError(ValueError):
 @dataclass(frozen=True)
 class WorkItem:
     text: str  # the prompt text ("" when messages)
-    messages: tuple[ChatMessage, ...] = ()  # a jsonl line with "messages"
+    messages: tuple[ChatTurn, ...] = ()  # a jsonl line with "messages"
     prompt_tokens: int = 0  # its length by the sweep's tokenizer (for messages: the sum over contents)
     max_new_tokens: int | None = None  # the dataset's own output length; None: the workload's
     token_ids: tuple[int, ...] = ()  # the text's ids where a local tokenizer made it (random dataset)
@@ -314,7 +314,7 @@ JSONL_KEYS = ("max_tokens", "messages", "prompt")
 class JsonlRequest:
     line: int  # 1-based, in the file
     prompt: str = ""  # exactly one of prompt and messages
-    messages: tuple[ChatMessage, ...] = ()
+    messages: tuple[ChatTurn, ...] = ()
     max_tokens: int | None = None
 
 
@@ -355,7 +355,7 @@ def _jsonl_request(line: int, raw: str, where: str) -> JsonlRequest:
             if not isinstance(message.get(field), str):
                 raise DatasetError(f"{where}: messages[{index}].{field} must be a string, got "
                                    f"{json.dumps(message.get(field))[:80]}")
-        parsed.append(ChatMessage(message["role"], message["content"]))
+        parsed.append(ChatTurn(message["role"], message["content"]))
     return JsonlRequest(line, messages=tuple(parsed), max_tokens=max_tokens)
 
 

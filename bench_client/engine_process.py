@@ -16,10 +16,7 @@ import asyncio
 import itertools
 import json
 import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,6 +29,7 @@ from bench_client.command import build_command
 from bench_client.config import EngineLaunchConfig
 from bench_client.peers import PeerMissing
 from bench_client.server_api import ENGINE_V1, ServerClient
+from bench_client.server_process import free_port, guarded, stop, wait_until_serving
 
 log = structlog.get_logger()
 
@@ -67,12 +65,6 @@ def engine_configurations(launch: EngineLaunchConfig) -> list[dict[str, Any]]:
     """Every combination of the [engine.grid] settings, in the order the grid lists them."""
     keys = [key for key, _ in launch.grid]
     return [dict(zip(keys, values, strict=True)) for values in itertools.product(*(v for _, v in launch.grid))]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 SERVER_STARTED = "server_started"  # the engine's log event that names the port it bound
@@ -159,13 +151,12 @@ class ManagedEngine:
         log.info("engine_starting", engine=self.settings, command=" ".join(self.command), port=self.port or None)
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as log_file:
-            # Through parent_death, so that the engine gets SIGTERM if the sweep dies (even by kill -9).
-            guard = [sys.executable, "-m", "bench_client.parent_death", str(os.getpid())]
-            self._proc = subprocess.Popen([*guard, *self.command], stdin=subprocess.DEVNULL, stdout=log_file,
+            # Guarded, so that the engine gets SIGTERM if the sweep dies (even by kill -9).
+            self._proc = subprocess.Popen(guarded(self.command), stdin=subprocess.DEVNULL, stdout=log_file,
                                           stderr=subprocess.STDOUT, env=engine_environment(os.environ))
         self._started_at = time.time()
 
-    async def _is_serving(self) -> bool:
+    async def _is_serving(self, timeout: float = 1.0) -> bool:
         """One health check; False while the port is not known yet (the engine has not logged it)."""
         if self._client is None:
             if self.port == 0:
@@ -175,33 +166,22 @@ class ManagedEngine:
                 self.port = port  # and every restart binds it again
             self.target = f"127.0.0.1:{self.port}" if self.api == ENGINE_V1 else f"http://127.0.0.1:{self.port}"
             self._client = self._make_client(self.target)
-        return await self._client.is_serving(timeout=1.0)
+        return await self._client.is_serving(timeout=timeout)
 
     async def _wait_healthy(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc is None or self._proc.poll() is not None:
-                return False
-            if await self._is_serving():
-                log.info("engine_serving", engine=self.settings, target=self.target, pid=self._proc.pid)
-                return True
-            await asyncio.sleep(0.2)
-        return False
+        if self._proc is None or not await wait_until_serving(self._proc, self._is_serving, timeout):
+            return False
+        log.info("engine_serving", engine=self.settings, target=self.target, pid=self._proc.pid)
+        return True
 
     async def _stop(self, how: str) -> EngineExit:
         proc = self._proc
         if proc is None:
             raise RuntimeError(f"engine {self.settings} was never started")
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + self.launch.drain_timeout_s
-            while proc.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-            if proc.poll() is None:
+            if await stop(proc, self.launch.drain_timeout_s):
                 log.warning("engine_killed", engine=self.settings, pid=proc.pid,
                             drain_timeout_s=self.launch.drain_timeout_s)
-                proc.kill()
-                proc.wait()
                 how = "killed_after_drain_timeout"
         elif how == "drained":
             how = "crashed"

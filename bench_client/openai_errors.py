@@ -75,6 +75,7 @@ import grpc
 
 from shared.errors import (
     BadRequest,
+    ClientTimeout,
     ContextLengthExceeded,
     EngineError,
     EngineUnavailable,
@@ -86,6 +87,7 @@ from shared.errors import (
 )
 
 MESSAGE_LIMIT = 500
+NOT_SERVED = frozenset({404, 405, 501})  # a route this server does not have
 _C = grpc.StatusCode
 _REFUSALS = frozenset({400, 413, 422})
 _CODES: Mapping[int, grpc.StatusCode] = {
@@ -264,6 +266,12 @@ def transport_failure(url: str, cause: BaseException, *, during: str = "") -> En
     where = f" {during}" if during else ""
     return EngineUnavailable(f"{url}: connection failed{where}: {type(cause).__name__}: {detail}",
                              metadata={"url": url})
+
+
+def client_timeout(url: str, timeout: float) -> ClientTimeout:
+    """ClientTimeout for a call to `url` that had no complete answer within `timeout` seconds."""
+    return ClientTimeout(f"{url}: no complete answer within the client's timeout of {timeout:g} s",
+                         metadata={"url": url, "timeoutSeconds": f"{timeout:g}"})
 
 
 def code_for_status(status: int) -> grpc.StatusCode:

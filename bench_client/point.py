@@ -50,7 +50,7 @@ log = structlog.get_logger()
 
 
 @dataclass(frozen=True)
-class RequestOutcome:
+class RequestResult:
     index: int
     warmup: bool
     attempts: int
@@ -70,7 +70,7 @@ class RequestOutcome:
 @dataclass(frozen=True)
 class PointOutcome:
     spec: PointSpec
-    requests: tuple[RequestOutcome, ...]  # the measured ones
+    requests: tuple[RequestResult, ...]  # the measured ones
     duration_s: float
     retries: int
     connection_resends: int = 0  # requests the adapter sent again on a fresh connection (not retries)
@@ -95,7 +95,7 @@ class HealthGate(Protocol):
 class PointObserver(Protocol):
     def request_started(self, spec: PointSpec) -> None: ...
 
-    def request_finished(self, spec: PointSpec, outcome: RequestOutcome) -> None: ...
+    def request_finished(self, spec: PointSpec, outcome: RequestResult) -> None: ...
 
 
 class PointRunner:
@@ -150,14 +150,14 @@ class PointRunner:
         raise AssertionError("unreachable: the second attempt returns or raises")
 
     async def _run_batch(self, spec: PointSpec, requests: Sequence[PointRequest], *, rate: float, warmup: bool,
-                         duration_s: float | None = None) -> list[RequestOutcome]:
+                         duration_s: float | None = None) -> list[RequestResult]:
         slots = asyncio.Semaphore(spec.concurrency)
         offsets = arrival_offsets(len(requests), rate, random.Random(f"{self.workload.seed}:{spec.tag()}"),
                                   burstiness=self.workload.burstiness)
         started = time.perf_counter()
         deadline = started + duration_s if duration_s is not None else math.inf
 
-        async def one(request: PointRequest, offset: float) -> RequestOutcome | None:
+        async def one(request: PointRequest, offset: float) -> RequestResult | None:
             delay = started + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -176,7 +176,7 @@ class PointRunner:
         _raise_first_error(tasks)
         return [outcome for task in tasks if (outcome := task.result()) is not None]
 
-    async def _request(self, spec: PointSpec, request: PointRequest, warmup: bool) -> RequestOutcome:
+    async def _request(self, spec: PointSpec, request: PointRequest, warmup: bool) -> RequestResult:
         index = request.index
         self.observer.request_started(spec)
         attempt = 0
@@ -208,11 +208,11 @@ class PointRunner:
             return outcome
 
     async def _after_error(self, spec: PointSpec, err: EngineError, index: int, warmup: bool, attempt: int,
-                           streamed: bool, replica: str | None) -> RequestOutcome | None:
+                           streamed: bool, replica: str | None) -> RequestResult | None:
         """Apply the policy to one failed call: None means "retry", else the request's final outcome."""
         action = decide(err, first_token_seen=streamed)
         code = wire_code(err)
-        failed = RequestOutcome(index=index, warmup=warmup, attempts=attempt, timeline=None, status_code=code,
+        failed = RequestResult(index=index, warmup=warmup, attempts=attempt, timeline=None, status_code=code,
                                 reason=err.reason or None, message=err.message)
         if action is Action.SKIP_POINT:
             raise PointSkipped(err)
@@ -280,11 +280,11 @@ TRUNCATED = "TRUNCATED"  # the code and reason of a request the server cut short
 
 
 def _success(index: int, warmup: bool, attempts: int, sent_at: float, chunks: Sequence[Chunk],
-             prompt_tokens: int, max_new_tokens: int, text_tokens: int | None = None) -> RequestOutcome:
+             prompt_tokens: int, max_new_tokens: int, text_tokens: int | None = None) -> RequestResult:
     last = chunks[-1] if chunks else None
     if last is None or last.finish_reason is None:
         # The stream ended cleanly without its final message: a contract violation, counted as failed.
-        return RequestOutcome(index=index, warmup=warmup, attempts=attempts, timeline=None, status_code="OK",
+        return RequestResult(index=index, warmup=warmup, attempts=attempts, timeline=None, status_code="OK",
                               reason="STREAM_ENDED_WITHOUT_FINISH",
                               message=f"the stream ended after {len(chunks)} messages without finish_reason")
     timeline = RequestTimeline(
@@ -300,15 +300,15 @@ def _success(index: int, warmup: bool, attempts: int, sent_at: float, chunks: Se
     )
     produced = timeline.output_tokens
     if last.finish_reason == "LENGTH" and produced < max_new_tokens:
-        return RequestOutcome(index=index, warmup=warmup, attempts=attempts, timeline=timeline, truncated=True,
+        return RequestResult(index=index, warmup=warmup, attempts=attempts, timeline=timeline, truncated=True,
                               status_code=TRUNCATED, reason=TRUNCATED,
                               message=f"the server ended the answer after {produced} of max_new_tokens "
                                       f"{max_new_tokens} tokens with finish_reason LENGTH and no error "
                                       "(a full context: llama-server's `truncated`)")
-    return RequestOutcome(index=index, warmup=warmup, attempts=attempts, timeline=timeline)
+    return RequestResult(index=index, warmup=warmup, attempts=attempts, timeline=timeline)
 
 
-def _raise_first_error(tasks: Sequence[asyncio.Task[RequestOutcome]]) -> None:
+def _raise_first_error(tasks: Sequence[asyncio.Task[RequestResult]]) -> None:
     """Re-raise what ended a batch: a client bug first, then a stop, then a skip."""
     errors = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
     for kind in (None, SweepStopped, PointSkipped):

@@ -14,7 +14,7 @@ import structlog
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from bench_client.point import PointSpec, RequestOutcome
+from bench_client.point import PointSpec, RequestResult
 
 log = structlog.get_logger()
 
@@ -78,7 +78,7 @@ class SweepProgress:
         self._in_flight += 1
         self._update()
 
-    def request_finished(self, spec: PointSpec, outcome: RequestOutcome) -> None:
+    def request_finished(self, spec: PointSpec, outcome: RequestResult) -> None:
         self._in_flight -= 1
         self._update()
 

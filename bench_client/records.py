@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bench_client import metrics
-from bench_client.point import PointOutcome, PointSpec, RequestOutcome
+from bench_client.point import PointOutcome, PointSpec, RequestResult
 from bench_client.results import SCHEMA, rate_to_json
 from bench_client.server_api import ENGINE_V1, ServerInfo
 
@@ -101,12 +101,12 @@ def point_record(outcome: PointOutcome, *, engine: Mapping[str, Any] | None, tar
 NO_REPLICA = "none"  # by_replica's key for requests whose last attempt reached no replica
 
 
-def by_replica(requests: Sequence[RequestOutcome]) -> dict[str, int]:
+def by_replica(requests: Sequence[RequestResult]) -> dict[str, int]:
     """Replica address -> measured requests whose last attempt it answered (sums to `sent`)."""
     return dict(sorted(Counter(r.replica or NO_REPLICA for r in requests).items()))
 
 
-def request_record(spec: PointSpec, outcome: RequestOutcome, *, engine: Mapping[str, Any] | None,
+def request_record(spec: PointSpec, outcome: RequestResult, *, engine: Mapping[str, Any] | None,
                    run_id: str, server: str = "") -> dict[str, Any]:
     """One line of requests.jsonl (--detail): `sent_at` in Unix seconds (the last attempt); the
     other times in seconds from it; `messages` lists [arrival, tokens] per streamed message;

@@ -52,7 +52,7 @@ tracer = trace.get_tracer("bench_client")
 
 
 @dataclass(frozen=True)
-class LoadSnapshot:
+class ServerLoad:
     running_sequences: int
     waiting_requests: int
     kv_cache_used_tokens: int
@@ -95,12 +95,12 @@ class EngineClient:
             precision_reason=info.precision_reason,
         )
 
-    async def load(self, timeout: float = 10.0) -> LoadSnapshot:
+    async def load(self, timeout: float = 10.0) -> ServerLoad:
         try:
             load = await self._stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err) from err
-        return LoadSnapshot(
+        return ServerLoad(
             running_sequences=load.running_sequences, waiting_requests=load.waiting_requests,
             kv_cache_used_tokens=load.kv_cache_used_tokens, kv_cache_capacity_tokens=load.kv_cache_capacity_tokens,
             requests_finished=load.requests_finished, draining=load.draining,

@@ -49,7 +49,7 @@ class ServerInfo:
 
 
 @dataclass(frozen=True)
-class ChatMessage:
+class ChatTurn:
     role: str  # "system", "user", "assistant"
     content: str
 
@@ -70,7 +70,7 @@ class DecodeSpec:
     top_k: int
     seed: int
     prompt_text: str = ""
-    messages: tuple[ChatMessage, ...] = ()
+    messages: tuple[ChatTurn, ...] = ()
 
     def __post_init__(self) -> None:
         given = sum((bool(self.prompt_token_ids), bool(self.prompt_text), bool(self.messages)))
@@ -86,7 +86,7 @@ class NoTokenizeEndpoint(Exception):
 @dataclass(frozen=True)
 class ChatSpec:
     request_id: str
-    messages: tuple[ChatMessage, ...]
+    messages: tuple[ChatTurn, ...]
     max_new_tokens: int
     temperature: float  # 0: greedy
     seed: int

@@ -43,12 +43,12 @@ from opentelemetry.trace import Status, StatusCode
 
 from bench_client import records
 from bench_client.chat import Question, ask
-from bench_client.config import CONCURRENCY, RANDOM, TOKEN_IDS, PreviewConfig, ServerConfig, SweepConfig
+from bench_client.config import CONCURRENCY, RANDOM, TOKEN_IDS, PreviewConfig, SweepConfig, SweepServerConfig
 from bench_client.config_fields import ConfigError
 from bench_client.datasets import DatasetError
 from bench_client.engine_process import EngineExit, EngineStartError, ManagedEngine, engine_configurations
 from bench_client.openai_http import OpenAIClient
-from bench_client.point import PointRunner, PointSkipped, PointSpec, RequestOutcome, SweepStopped
+from bench_client.point import PointRunner, PointSkipped, PointSpec, RequestResult, SweepStopped
 from bench_client.policy import Action, decide_preview, decide_server_info
 from bench_client.progress import SweepProgress
 from bench_client.results import PointKey, ResultsDir, engine_key, rate_to_json
@@ -132,7 +132,7 @@ class _Observer:
     def request_started(self, spec: PointSpec) -> None:
         self.progress.request_started(spec)
 
-    def request_finished(self, spec: PointSpec, outcome: RequestOutcome) -> None:
+    def request_finished(self, spec: PointSpec, outcome: RequestResult) -> None:
         self.progress.request_finished(spec, outcome)
         self.results.append_request(records.request_record(spec, outcome, engine=self.engine, run_id=self.run_id,
                                                            server=self.server))
@@ -213,14 +213,14 @@ class SweepRunner:
         log.info("sweep_done", run_id=self.run_id, recorded=self._recorded, points=total)
         return SweepResult(SweepEnd.COMPLETED, "every point is recorded", self._recorded)
 
-    def _client(self, server: ServerConfig, target: str) -> ServerClient:
+    def _client(self, server: SweepServerConfig, target: str) -> ServerClient:
         """The adapter of the server's API for one target."""
         if server.api == ENGINE_V1:
             return EngineClient(target, self.config.security)
         return OpenAIClient(target, self.config.security, concurrency=max(self.config.workload.concurrency),
                             vocab_size=server.vocab_size, model=server.model)
 
-    async def _run_server(self, server: ServerConfig, engine: dict[str, Any] | None, todo: list[PointSpec]) -> None:
+    async def _run_server(self, server: SweepServerConfig, engine: dict[str, Any] | None, todo: list[PointSpec]) -> None:
         async with AsyncExitStack() as stack:
             if server.launch is None or engine is None:
                 client = self._client(server, server.target)
@@ -255,7 +255,7 @@ class SweepRunner:
                 else:
                     await self._run_search(runner, spec, server, engine, client.target, server_info)
 
-    def _searches_from_records(self, runs: list[tuple[ServerConfig, dict[str, Any] | None]],
+    def _searches_from_records(self, runs: list[tuple[SweepServerConfig, dict[str, Any] | None]],
                                points: list[PointSpec]) -> None:
         """The answers of the searches that an earlier run finished (this run had nothing to probe)."""
         search = self.config.search
@@ -281,13 +281,13 @@ class SweepRunner:
                  prompt_format=w.prompt_format, endpoint=w.endpoint, target=client.target)
         return tokenizer
 
-    def _to_run(self, server: ServerConfig, engine: dict[str, Any] | None, spec: PointSpec) -> bool:
+    def _to_run(self, server: SweepServerConfig, engine: dict[str, Any] | None, spec: PointSpec) -> bool:
         """Whether `spec` (a point, or a search's base) still has a point to run for this server."""
         if self.config.search is None:
             return self._key(server, engine, spec) not in self.results.done
         return self._recorded_probes(server, engine, spec)[1] is not None
 
-    def _recorded_probes(self, server: ServerConfig, engine: dict[str, Any] | None,
+    def _recorded_probes(self, server: SweepServerConfig, engine: dict[str, Any] | None,
                          base: PointSpec) -> tuple[list[Probe], float | None]:
         """The search's probes replayed from the records, and the first value not recorded (None: done)."""
         search = self.config.search
@@ -301,7 +301,7 @@ class SweepRunner:
             probes.append(Probe(value, _attainment(record)))
         return probes, None
 
-    async def _run_search(self, runner: PointRunner, base: PointSpec, server: ServerConfig,
+    async def _run_search(self, runner: PointRunner, base: PointSpec, server: SweepServerConfig,
                           engine: dict[str, Any] | None, target: str, server_info: ServerInfo) -> None:
         search = self.config.search
         assert search is not None
@@ -360,7 +360,7 @@ class SweepRunner:
         print(flush=True)  # a blank line between the answer and the sweep
         log.info("preview_answered", finish_reason=answer.finish_reason, completion_tokens=answer.completion_tokens)
 
-    async def _run_point(self, runner: PointRunner, spec: PointSpec, server: ServerConfig,
+    async def _run_point(self, runner: PointRunner, spec: PointSpec, server: SweepServerConfig,
                          engine: dict[str, Any] | None, target: str, server_info: ServerInfo,
                          search: dict[str, Any] | None = None) -> None:
         with tracer.start_as_current_span("bench.point", attributes=_point_attributes(spec, server, engine,
@@ -387,7 +387,7 @@ class SweepRunner:
                 "range_ratio": w.range_ratio, "burstiness": w.burstiness, "duration_s": w.duration_s,
                 "slo": self.config.slo.as_dict() if self.config.slo is not None else None}
 
-    async def _point_record(self, runner: PointRunner, spec: PointSpec, server: ServerConfig,
+    async def _point_record(self, runner: PointRunner, spec: PointSpec, server: SweepServerConfig,
                             engine: dict[str, Any] | None, target: str, server_info: ServerInfo,
                             workload: dict[str, Any]) -> dict[str, Any]:
         """Run the point (or skip it) and build its record."""
@@ -437,12 +437,12 @@ class SweepRunner:
     def _engine_exited(self, exit_: EngineExit) -> None:
         self.results.append_engine(exit_.as_record())
 
-    def _key(self, server: ServerConfig, engine: dict[str, Any] | None, spec: PointSpec) -> PointKey:
+    def _key(self, server: SweepServerConfig, engine: dict[str, Any] | None, spec: PointSpec) -> PointKey:
         return PointKey(engine_key(engine), spec.context_tokens, spec.max_new_tokens, spec.concurrency,
                         spec.request_rate, spec.prefix_tokens, spec.prefix_groups, server=server.name)
 
 
-def _label(server: ServerConfig, engine: dict[str, Any] | None) -> str:
+def _label(server: SweepServerConfig, engine: dict[str, Any] | None) -> str:
     """A server and engine configuration as the summary names them ("" for one unnamed server)."""
     settings = ",".join(f"{k}={v}" for k, v in sorted((engine or {}).items()))
     return " ".join(part for part in (server.name, settings) if part)
@@ -455,7 +455,7 @@ def _attainment(record: dict[str, Any]) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
 
 
-def _point_attributes(spec: PointSpec, server: ServerConfig, engine: dict[str, Any] | None,
+def _point_attributes(spec: PointSpec, server: SweepServerConfig, engine: dict[str, Any] | None,
                       target: str) -> dict[str, Any]:
     """The point's parameters, its server and engine configuration, as span attributes."""
     return {

@@ -32,7 +32,7 @@ from bench_client.config import CHAT, JSONL_PREFIX, RANDOM, SHAREGPT, TOKEN_IDS,
 from bench_client.datasets import WorkItem
 from bench_client.point_spec import PointSpec
 from bench_client.prompts import make_prompt
-from bench_client.server_api import ChatMessage, ServerInfo
+from bench_client.server_api import ChatTurn, ServerInfo
 from bench_client.tokenizer import PromptTokenizer
 
 log = structlog.get_logger()
@@ -47,7 +47,7 @@ class PointRequest:
     prompt_tokens: int  # by the sweep's tokenizer (ids: their number); the server's usage may differ (chat)
     token_ids: tuple[int, ...] = ()
     text: str = ""
-    messages: tuple[ChatMessage, ...] = ()
+    messages: tuple[ChatTurn, ...] = ()
 
 
 class NoVocabulary(Exception):
@@ -126,7 +126,7 @@ class PointPrompts:
             raise datasets.DatasetError(f"dataset {self.workload.dataset!r} item {index} has no max_tokens and "
                                         "the workload sets no max_new_tokens: give one of them")
         if item.messages or self.workload.endpoint == CHAT:
-            messages = item.messages or (ChatMessage("user", item.text),)
+            messages = item.messages or (ChatTurn("user", item.text),)
             return PointRequest(index, new_tokens, item.prompt_tokens, messages=messages)
         return PointRequest(index, new_tokens, item.prompt_tokens, text=item.text)
 

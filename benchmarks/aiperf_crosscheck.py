@@ -62,7 +62,7 @@ FINDINGS (AIPerf's source: site-packages/aiperf/ of its venv; llama.cpp: the ven
   AIPERF_HTTP_KEEPALIVE_TIMEOUT), llama-server closes them after 5 s idle (cpp-httplib,
   vendor/cpp-httplib/httplib.h:26): at c=8 the warmup's connection, idle through the first wave,
   was reused dead ("Can not write request body"), counted failed, not retried; the next wave ran 7.
-  AIPerf gets our 3 s (openai_http.KEEPALIVE_TIMEOUT_S).
+  AIPerf gets our 3 s (openai_pool.KEEPALIVE_TIMEOUT_S).
 - Arrivals: both start all C at once and send one more as each ends (AIPerf: timing/config.py:57
   CONCURRENCY_BURST, timing/intervals.py:207 zero intervals under a semaphore of C; no ramp unless
   --concurrency-ramp-duration; its warmup ends before profiling, timing/config.py:548). llama-server
@@ -91,8 +91,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -109,6 +107,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench_client import peers  # noqa: E402
+from bench_client.server_process import free_port, guarded, stop_blocking, wait_until_serving_blocking  # noqa: E402
 from benchmarks.llamacpp import CONTENDED, OthersBusy  # noqa: E402
 
 AIPERF_VERSION = "0.13.0"
@@ -223,12 +222,6 @@ def write_prompt_files(out: Path, prompts: Sequence[str], output_tokens: int) ->
 # The server: llama-server on one core, no prompt cache
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Server:
     """llama-server pinned to `core` (at niceness `nice`), started on enter (ready when GET /health
@@ -255,35 +248,30 @@ class Server:
                         "--host", "127.0.0.1",
                         "--port", str(self.port), "--no-repack", "--no-cache-prompt", "--cache-ram", "0"]
         log(f"llama-server: {' '.join(self.command)}")
-        with open(self.log_path, "ab") as out:  # parent_death: SIGTERM to the server should this script die
-            self.proc = subprocess.Popen([sys.executable, "-m", "bench_client.parent_death", str(os.getpid()),
-                                          *self.command], cwd=REPO, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.__exit__()
-                raise CrosscheckError(f"llama-server exited with {self.proc.returncode if self.proc else '?'}; "
-                                      f"log {self.log_path}:\n{self.log_path.read_text(errors='replace')[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return self
-            except (urllib.error.HTTPError, OSError):
-                pass  # 503 while loading, or not listening yet
-            time.sleep(0.1)
+        with open(self.log_path, "ab") as out:  # guarded: SIGTERM to the server should this script die
+            proc = subprocess.Popen(guarded(self.command), cwd=REPO, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT)
+        self.proc = proc
+        if wait_until_serving_blocking(proc, self._healthy, 120, poll_s=0.1):
+            return self
+        exited = proc.poll()
         self.__exit__()
+        if exited is not None:
+            raise CrosscheckError(f"llama-server exited with {exited}; "
+                                  f"log {self.log_path}:\n{self.log_path.read_text(errors='replace')[-3000:]}")
         raise CrosscheckError(f"llama-server not ready after 120 s; log {self.log_path}")
+
+    def _healthy(self, timeout: float) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout) as resp:
+                return resp.status == 200
+        except (urllib.error.HTTPError, OSError):
+            return False  # 503 while loading, or not listening yet
 
     def __exit__(self, *exc: object) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        if proc is not None:
+            stop_blocking(proc, 10)
 
     def own_timings(self, since: int) -> dict[str, float | None]:
         """The medians of the server's own per-request timings logged after byte `since` of its log
@@ -399,7 +387,7 @@ def aiperf_env_vars() -> dict[str, str]:
     """AIPerf's environment: its pooled connections kept idle no longer than ours are (3 s), under
     llama-server's 5 s (cpp-httplib's keep-alive timeout); AIPerf's default, 300 s, reuses
     connections the server has closed, and the request fails ("Can not write request body")."""
-    from bench_client.openai_http import KEEPALIVE_TIMEOUT_S
+    from bench_client.openai_pool import KEEPALIVE_TIMEOUT_S
 
     return {**os.environ, "AIPERF_HTTP_KEEPALIVE_TIMEOUT": str(int(KEEPALIVE_TIMEOUT_S))}
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 
 from bench_client.config import PolicyConfig, WorkloadConfig  # noqa: E402
-from bench_client.point import PointRunner, PointSpec, RequestOutcome  # noqa: E402
+from bench_client.point import PointRunner, PointSpec, RequestResult  # noqa: E402
 from bench_client.prompts import make_prompt  # noqa: E402
 from bench_client.rpc import EngineClient  # noqa: E402
 from engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
@@ -69,7 +69,7 @@ class _NoObserver:
     def request_started(self, spec: PointSpec) -> None:
         return None
 
-    def request_finished(self, spec: PointSpec, outcome: RequestOutcome) -> None:
+    def request_finished(self, spec: PointSpec, outcome: RequestResult) -> None:
         return None
 
 

@@ -1,10 +1,9 @@
 """What the drills share: how an answer is read (through the one client boundary,
-`shared.errors.from_rpc_error`), engine processes, free ports, RSS, progress lines."""
+`shared.errors.from_rpc_error`), engine processes, RSS, progress lines."""
 
 from __future__ import annotations
 
 import dataclasses
-import socket
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -20,7 +19,7 @@ from tools.local_engine import EngineProcess
 ROOT = Path(__file__).resolve().parent.parent
 DECODE_METHOD = "/engine.v1.EngineService/Decode"
 
-__all__ = ["ROOT", "Answer", "EngineProcess", "answer_of", "collect", "free_port", "note", "rss_kib"]
+__all__ = ["ROOT", "Answer", "EngineProcess", "answer_of", "collect", "note", "rss_kib"]
 
 
 @dataclass(frozen=True)
@@ -63,13 +62,6 @@ def collect(call: Iterable[pb.DecodeResponse]) -> Answer:
     except grpc.RpcError as err:
         return answer_of(err, tokens)
     return Answer("OK", tokens=tuple(tokens))
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (for a supervisor that must restart on the same port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_kib(pid: int) -> int:

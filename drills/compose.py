@@ -38,10 +38,13 @@ from pathlib import Path
 
 import yaml
 
+from bench_client.server_process import stop_blocking
 from drills.common import ROOT, note
-from drills.crash import Grid, recorded_lines
+from drills.crash import recorded_lines
+from drills.grid import Grid
 from drills.replicas import audit_rolling_sweep, config_toml, wait_points
 from drills.row import Checks, Row
+from drills.sweep_audit import read_jsonl
 
 NAME = "compose"
 REPLICAS = 3
@@ -99,13 +102,7 @@ class Daemon:
 
     def stop(self) -> None:
         if self.process is not None:
-            if self.process.poll() is None:
-                self.process.send_signal(signal.SIGTERM)
-                try:
-                    self.process.wait(60)
-                except subprocess.TimeoutExpired:
-                    self.process.kill()
-                    self.process.wait(10)
+            stop_blocking(self.process, 60)
             self.process = None
         if self.log is not None:
             self.log.unlink(missing_ok=True)
@@ -392,9 +389,7 @@ def _drive(stack: Stack, grid: Grid, rate: float, shared: Path, replaced: list[s
             sweep.wait(30)
     note(NAME, f"sweep exited {code} after {time.monotonic() - started:.0f} s of stack")
     sweep_log = log.read_text(errors="replace")
-    results, detail = out / "results.jsonl", out / "requests.jsonl"
-    records = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
-    details = [json.loads(line) for line in detail.read_text().splitlines()] if detail.exists() else []
+    records, details = read_jsonl(out / "results.jsonl"), read_jsonl(out / "requests.jsonl")
 
     names = [r.name for r in replicas]
     audit = audit_rolling_sweep(checks, grid, records, details, names, restarted_at, code, drain_exit, sweep_log)

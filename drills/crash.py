@@ -7,51 +7,25 @@ counts that add up. Lost = points missing or duplicated, or counts that do not a
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
-from drills.common import ROOT, EngineProcess, free_port, note
+from bench_client.server_process import free_port
+from drills.common import ROOT, EngineProcess, note
+from drills.grid import Grid
 from drills.row import Checks, Row
-from drills.supervisor import Supervisor, wait_serving
+from drills.supervisor import Supervisor
+from drills.sweep_audit import lost_points, read_jsonl
+from tools.local_engine import wait_serving
 
 NAME = "crash"
 KILL_SEED = 6
 SWEEP_TIMEOUT_S = 180.0
-
-
-@dataclass(frozen=True)
-class Grid:
-    context_tokens: list[int]
-    concurrency: list[int]
-    max_new_tokens: int
-    requests_per_point: int
-
-    @property
-    def points(self) -> set[tuple[int, int, int]]:
-        return {(c, self.max_new_tokens, x) for c in self.context_tokens for x in self.concurrency}
-
-    def toml(self, target: str) -> str:
-        return "\n".join([
-            f'target = "{target}"',
-            "[workload]",
-            f"context_tokens = {self.context_tokens}",
-            f"max_new_tokens = [{self.max_new_tokens}]",
-            f"concurrency = {self.concurrency}",
-            f"requests_per_point = {self.requests_per_point}",
-            "warmup_requests = 0",
-            'prompt_format = "token_ids"',  # the tiny engine's ids: the drill is about crashes, not text
-            "[policy]",
-            "health_wait_s = 2.0",  # shorter than a restart: a crash stops the sweep, to be resumed
-            "request_timeout_s = 30.0",
-        ]) + "\n"
 
 
 def sweep(config: Path, out: Path, resume: bool, log: Path) -> subprocess.Popen[bytes]:
@@ -59,21 +33,6 @@ def sweep(config: Path, out: Path, resume: bool, log: Path) -> subprocess.Popen[
     with log.open("ab") as err:
         return subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                 stdout=subprocess.DEVNULL, stderr=err)
-
-
-def audit(out: Path, grid: Grid) -> list[str]:
-    """Every point exactly once, with counts that add up; returns what is wrong."""
-    path = out / "results.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    keys = Counter((r["context_tokens"], r["max_new_tokens"], r["concurrency"]) for r in records)
-    problems = [f"point {k} recorded {n} times" for k, n in keys.items() if n > 1]
-    problems += [f"point {k} missing" for k in sorted(grid.points - set(keys))]
-    for r in records:
-        req = r["requests"]
-        if r["status"] in ("ok", "failed") and not (
-                req["sent"] == grid.requests_per_point == req["completed"] + req["failed"]):
-            problems.append(f"point {r['context_tokens']}/{r['concurrency']} counts {req}")
-    return problems
 
 
 def recorded_lines(out: Path) -> int:
@@ -118,7 +77,7 @@ def engine_crashes(work: Path, quick: bool, checks: Checks) -> tuple[int, dict[s
     checks.expect(code == 0, f"sweep did not complete in {runs} runs (last exit {code})")
     checks.expect(crashes >= 1, f"the engine never crashed (exits {supervisor.exit_codes})")
     checks.expect(last_exit == 0, f"the last engine run exited {last_exit} on SIGTERM")
-    problems = audit(work / "out-crash", grid)
+    problems = lost_points(read_jsonl(work / "out-crash" / "results.jsonl"), grid)
     checks.expect(not problems, f"results after crashes: {problems[:3]}")
     return len(problems), {"engine crashes survived": crashes, "sweep runs (crash)": runs,
                            "points (crash)": len(grid.points)}
@@ -152,7 +111,7 @@ def client_kills(work: Path, quick: bool, checks: Checks) -> tuple[int, dict[str
             runs, code = resume_until_done(config, out, log, engine.address, True, 3)
             resumes += runs
             checks.expect(code == 0, f"kill {k}: resume did not complete (exit {code})")
-            problems = audit(out, grid)
+            problems = lost_points(read_jsonl(out / "results.jsonl"), grid)
             checks.expect(not problems, f"kill {k} at {at:.2f} s: {problems[:3]}")
             lost += len(problems)
     checks.expect(mid_sweep == kills, f"only {mid_sweep} of {kills} kills landed before the sweep ended")

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from bench_client import datasets
 from bench_client.datasets import DatasetError, JsonlRequest, ShareGPTConversation, parse_sharegpt, read_jsonl
-from bench_client.server_api import ChatMessage
+from bench_client.server_api import ChatTurn
 from drills.fuzz_cases import DEEP, LONG_NUMBER, Tally, fuzz, json_scalars, json_values, sometimes
 
 FILE_TIMEOUT_S = 10.0
@@ -54,7 +54,7 @@ def jsonl_request(draw: st.DrawFn, line: int) -> tuple[dict[str, Any], JsonlRequ
         messages = draw(st.lists(st.tuples(st.sampled_from(["user", "system", "assistant", ""]), st.text(max_size=10)),
                                  min_size=1, max_size=3))
         value["messages"] = [{"role": r, "content": c} for r, c in messages]
-        request = JsonlRequest(line, messages=tuple(ChatMessage(r, c) for r, c in messages))
+        request = JsonlRequest(line, messages=tuple(ChatTurn(r, c) for r, c in messages))
     choice = draw(st.integers(0, 3))
     if choice == 1:
         value["max_tokens"] = draw(st.one_of(st.integers(1, 4096), st.integers(1, 10**30)))

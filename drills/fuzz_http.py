@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from bench_client.openai_http import CHAT_COMPLETIONS, COMPLETIONS, OpenAIClient
 from bench_client.openai_json import chat_body, completion_body
 from bench_client.point import _success
-from bench_client.server_api import ChatMessage, Chunk, DecodeSpec
+from bench_client.server_api import ChatTurn, Chunk, DecodeSpec
 from drills import fuzz_files
 from drills.common import note
 from drills.fuzz_cases import DEEP, Tally, fuzz, json_scalars, json_values, sometimes
@@ -494,7 +494,7 @@ class Got:
 async def read_answer(client: OpenAIClient, key: str, chat: bool, got: Got) -> None:
     spec = DecodeSpec(request_id=key, prompt_token_ids=(), max_new_tokens=16, ignore_eos=False, temperature=0.0,
                       top_p=1.0, top_k=0, seed=0, prompt_text="" if chat else key,
-                      messages=(ChatMessage("user", key),) if chat else ())
+                      messages=(ChatTurn("user", key),) if chat else ())
     try:
         async for chunk in client.decode(spec, timeout=CLIENT_TIMEOUT_S):
             got.chunks.append(chunk)
@@ -511,7 +511,7 @@ def judge(answer: Answer, got: Got, request: tuple[str, dict[str, Any]] | None, 
     wrong: list[tuple[str, str]] = []
     spec_body = (completion_body if not answer.chat else chat_body)(DecodeSpec(
         key, (), 16, False, 0.0, 1.0, 0, 0, prompt_text="" if answer.chat else key,
-        messages=(ChatMessage("user", key),) if answer.chat else ()), None)
+        messages=(ChatTurn("user", key),) if answer.chat else ()), None)
     if request != ((CHAT_COMPLETIONS if answer.chat else COMPLETIONS), spec_body):
         wrong.append(("the request as completion_body/chat_body make it", f"sent {request}"))
     if isinstance(got.error, ClientTimeout):

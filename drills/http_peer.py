@@ -21,13 +21,14 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections import Counter
 from pathlib import Path
 
 from bench_client import peers
 from drills.common import ROOT, note
-from drills.crash import Grid, audit, recorded_lines
+from drills.crash import recorded_lines
+from drills.grid import Grid
 from drills.row import Checks, Row
+from drills.sweep_audit import audit_completed_sweep, lost_points, read_jsonl
 
 NAME = "http"
 KILL_SEED = 7
@@ -126,10 +127,6 @@ def decoding_slots(port: int) -> int:
                and any(t.get("n_decoded", 0) >= 2 and t.get("n_remain", 0) >= 4 for t in s.get("next_token", [])))
 
 
-def read_jsonl(path: Path) -> list[dict]:  # type: ignore[type-arg]
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def reap(pids: list[int]) -> None:
     """SIGKILL the drill's own leftovers (a server that outlived its sweep: already a failed check)."""
     for pid in pids:
@@ -180,7 +177,7 @@ def client_kills(work: Path, quick: bool, checks: Checks) -> tuple[int, dict[str
     code = sweep(config, out, True, log).wait(SWEEP_TIMEOUT_S)
     checks.expect(code == 0, f"the last resume exited {code}: {log.read_text(errors='replace')[-300:]}")
     checks.expect(mid_sweep == kills, f"only {mid_sweep} of {kills} client kills landed before the sweep ended")
-    problems = audit(out, grid)
+    problems = lost_points(read_jsonl(out / "results.jsonl"), grid)
     checks.expect(not problems, f"results after client kills: {problems[:3]}")
     engines = read_jsonl(out / "engines.jsonl")  # only the completing run lived to record its server's exit
     checks.expect(len(engines) == 1 and engines[0]["how"] == "drained" and engines[0]["exit_code"] == 0,
@@ -238,21 +235,13 @@ def server_kills(work: Path, quick: bool, checks: Checks) -> tuple[int, dict[str
             proc.wait(10)
     sweep_log = log.read_text(errors="replace")
     checks.expect(code == 0, f"the sweep exited {code}: {sweep_log[-300:]}")
-    problems = audit(out, grid)
-    checks.expect(not problems, f"results after server kills: {problems[:3]}")
     records = read_jsonl(out / "results.jsonl")
+    completed = audit_completed_sweep(checks, records, grid, CUT_CODES)
+    problems = completed.problems
     checks.expect(len({r["run_id"] for r in records}) <= 1, "the sweep took more than one run")
-    bad = [f"{r['context_tokens']}/{r['concurrency']}: {r['status']} {r['reason']}" for r in records
-           if r["status"] != "ok"]
-    checks.expect(not bad, f"points not ok: {bad[:3]}")
-    by_code: Counter[str] = Counter()
-    by_reason: Counter[str] = Counter()
-    for r in records:
-        by_code.update(r["requests"]["failed_by_code"])
-        by_reason.update(r["requests"]["failed_by_reason"])
-    cut = sum(by_code.values())
-    checks.expect(set(by_code) <= CUT_CODES and not by_reason,
-                  f"failures other than cut streams: by code {dict(by_code)}, by reason {dict(by_reason)}")
+    cut = sum(completed.failed_by_code.values())
+    checks.expect(not completed.failed_by_reason,
+                  f"failures with a reason, not cut streams: {dict(completed.failed_by_reason)}")
     checks.expect(len(killed) <= cut <= SLOTS * len(killed),
                   f"{cut} requests failed for {len(killed)} kills of a server decoding "
                   f"{[s for _, _, s in killed]} streams")

@@ -9,7 +9,6 @@ Lost = points missing or duplicated, or counts that do not add up."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,9 +19,12 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from drills.common import ROOT, EngineProcess, free_port, note
-from drills.crash import Grid, recorded_lines
+from bench_client.server_process import free_port
+from drills.common import ROOT, EngineProcess, note
+from drills.crash import recorded_lines
+from drills.grid import Grid
 from drills.row import Checks, Row
+from drills.sweep_audit import audit_completed_sweep, read_jsonl
 
 NAME = "replicas"
 REPLICAS = 3
@@ -96,8 +98,7 @@ def run(quick: bool) -> Row:
                 sweep.wait(10)
             for replica in replicas:
                 replica.kill()
-        records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-        details = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+        records, details = read_jsonl(out / "results.jsonl"), read_jsonl(out / "requests.jsonl")
         sweep_log = (work / "sweep.log").read_text(errors="replace")
 
     audit = audit_rolling_sweep(checks, grid, records, details, addresses, restarted_at, code, drain_exit, sweep_log)
@@ -137,32 +138,14 @@ def audit_rolling_sweep(checks: Checks, grid: Grid, records: list[dict], details
     restarted one after its restart."""
     checks.expect(code == 0, f"the sweep exited {code}: {sweep_log[-300:]}")
     checks.expect(drain_exit == 0, f"the drained replica exited {drain_exit}")
-    problems = _audit(records, grid)
-    checks.expect(not problems, f"results: {problems[:3]}")
-    bad = [f"{r['context_tokens']}/{r['concurrency']}: {r['status']} {r['reason']}" for r in records
-           if r["status"] != "ok"]
-    checks.expect(not bad, f"points not ok: {bad[:3]}")
-    failed_by_code: Counter[str] = Counter()
+    completed = audit_completed_sweep(checks, records, grid, CUT_CODES)
     by_replica: Counter[str] = Counter()
     for r in records:
-        failed_by_code.update(r["requests"]["failed_by_code"])
         by_replica.update(r["requests"]["by_replica"])
-    checks.expect(set(failed_by_code) <= CUT_CODES, f"failures other than cut streams: {dict(failed_by_code)}")
     missing = [a for a in replicas if by_replica[a] == 0]
     checks.expect(not missing, f"no requests landed on {missing} ({dict(by_replica)})")
     after_restart = {a: sum(1 for d in details if d["peer"] == a and d["sent_at"] > t) for a, t in restarted_at.items()}
     checks.expect(len(restarted_at) == 2 and all(after_restart.values()),
                   f"restarted replicas served after their restart: {after_restart}")
-    return SweepAudit(problems, failed_by_code, by_replica, after_restart)
+    return SweepAudit(completed.problems, completed.failed_by_code, by_replica, after_restart)
 
-
-def _audit(records: list[dict], grid: Grid) -> list[str]:  # type: ignore[type-arg]
-    """Every point exactly once, with counts that add up (as the crash drill audits)."""
-    keys = Counter((r["context_tokens"], r["max_new_tokens"], r["concurrency"]) for r in records)
-    problems = [f"point {k} recorded {n} times" for k, n in keys.items() if n > 1]
-    problems += [f"point {k} missing" for k in sorted(grid.points - set(keys))]
-    for r in records:
-        req = r["requests"]
-        if not req["sent"] == grid.requests_per_point == req["completed"] + req["failed"]:
-            problems.append(f"point {r['context_tokens']}/{r['concurrency']} counts {req}")
-    return problems

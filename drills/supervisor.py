@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from bench_client.server_process import stop_blocking
 
 RESTART_DELAY_S = 0.2
 
@@ -48,27 +46,6 @@ class Supervisor:
             proc = self._proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_blocking(proc, timeout)
         self._thread.join(timeout)
         return proc.returncode
-
-
-def wait_serving(address: str, timeout: float) -> bool:
-    """Poll grpc.health.v1 until SERVING; False if `timeout` passes first."""
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                    return True
-            except grpc.RpcError:
-                pass  # down or still starting: poll again
-            time.sleep(0.1)
-    return False

@@ -12,12 +12,8 @@ its output collected to a log file, stopped with SIGTERM then SIGKILL.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -25,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from bench_client import peers
+from bench_client.server_process import free_port, guarded, stop_blocking, wait_until_serving_blocking
 
 NOT_BUILT = "llama-server is not built: run `make peers` (about 15-20 minutes on 2 cores)"
 # Weight repacking off: with it (the default), this build dies of SIGILL (exit 132) while loading the
@@ -53,12 +50,6 @@ def smollm2_gguf() -> Path:
     from engine_service.model.presets import PACKAGED
 
     return PACKAGED["smollm2"].locate("smollm2")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LlamaServerError(RuntimeError):
@@ -101,9 +92,8 @@ class LlamaServer:
         cmd = self.command()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            # parent_death: the server gets SIGTERM should this test process die without stopping it.
-            self.proc = subprocess.Popen([sys.executable, "-m", "bench_client.parent_death", str(os.getpid()), *cmd],
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            # Guarded: the server gets SIGTERM should this test process die without stopping it.
+            self.proc = subprocess.Popen(guarded(cmd), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         try:
             self._wait_healthy(cmd)
         except BaseException:
@@ -112,23 +102,26 @@ class LlamaServer:
         return self
 
     def _wait_healthy(self, cmd: list[str]) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
         last = "no answer"
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise LlamaServerError(f"llama-server exited with {self.proc.returncode} before it was ready: "
-                                       f"{' '.join(cmd)}\n--- log tail ---\n{self.log_tail()}")
+
+        def healthy(timeout: float) -> bool:
+            nonlocal last
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
+                with urllib.request.urlopen(f"{self.url}/health", timeout=timeout) as resp:
                     last = f"HTTP {resp.status}"
+                    return resp.status == 200
             except urllib.error.HTTPError as err:  # 503 {"error": {"message": "Loading model", ...}}
                 last = f"HTTP {err.code}"
             except OSError as err:  # not listening yet
                 last = str(err)
-            time.sleep(0.05)
+            return False
+
+        assert self.proc is not None
+        if wait_until_serving_blocking(self.proc, healthy, self.startup_timeout_s, poll_s=0.05):
+            return
+        if self.proc.poll() is not None:
+            raise LlamaServerError(f"llama-server exited with {self.proc.returncode} before it was ready: "
+                                   f"{' '.join(cmd)}\n--- log tail ---\n{self.log_tail()}")
         raise LlamaServerError(f"llama-server not healthy after {self.startup_timeout_s} s (last: {last}): "
                                f"{' '.join(cmd)}\n--- log tail ---\n{self.log_tail()}")
 
@@ -143,13 +136,7 @@ class LlamaServer:
         proc, self.proc = self.proc, None
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_blocking(proc, grace_s)
         return proc.returncode
 
     def __enter__(self) -> LlamaServer:

@@ -31,7 +31,7 @@ from bench_client.datasets import (
     sharegpt_corpus,
     sharegpt_items,
 )
-from bench_client.server_api import ChatMessage
+from bench_client.server_api import ChatTurn
 from bench_client.tokenizer import LocalTokenizer, ServerTokenizer, load_tokenizer
 
 HYPOTHESIS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -281,7 +281,7 @@ def test_read_jsonl(tmp_path: Path) -> None:
                        ' "max_tokens": 5}', '{"prompt": "x", "max_tokens": 1}')
     assert read_jsonl(path) == [
         JsonlRequest(1, prompt="hello there"),
-        JsonlRequest(4, messages=(ChatMessage("system", "be brief"), ChatMessage("user", "hi")), max_tokens=5),
+        JsonlRequest(4, messages=(ChatTurn("system", "be brief"), ChatTurn("user", "hi")), max_tokens=5),
         JsonlRequest(5, prompt="x", max_tokens=1),
     ]
 
@@ -347,7 +347,7 @@ async def test_jsonl_messages_count_their_contents(tmp_path: Path, smollm2: Loca
     path = write_lines(tmp_path / "chat.jsonl", '{"messages": [{"role": "system", "content": "Be brief."}, '
                                                 '{"role": "user", "content": "Hello world"}], "max_tokens": 7}')
     (item,) = await jsonl_items(read_jsonl(path), smollm2, count=1, seed="s")
-    assert item.text == "" and item.messages == (ChatMessage("system", "Be brief."), ChatMessage("user", "Hello world"))
+    assert item.text == "" and item.messages == (ChatTurn("system", "Be brief."), ChatTurn("user", "Hello world"))
     assert item.prompt_tokens == len(await smollm2.encode("Be brief.")) + 2
     assert item.max_new_tokens == 7
 

@@ -15,7 +15,7 @@ import pytest
 
 from bench_client import records
 from bench_client.config import PolicyConfig, WorkloadConfig, parse_config
-from bench_client.point import PointOutcome, PointRunner, PointSpec, RequestOutcome
+from bench_client.point import PointOutcome, PointRunner, PointSpec, RequestResult
 from bench_client.progress import SweepProgress
 from bench_client.prompts import make_prompt
 from bench_client.results import PointKey, ResultsDir
@@ -134,7 +134,7 @@ class Quiet:
     def request_started(self, spec: PointSpec) -> None:
         return None
 
-    def request_finished(self, spec: PointSpec, outcome: RequestOutcome) -> None:
+    def request_finished(self, spec: PointSpec, outcome: RequestResult) -> None:
         return None
 
 

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from bench_client.config import PolicyConfig, WorkloadConfig
-from bench_client.point import PointRunner, PointSpec, RequestOutcome, SweepStopped
+from bench_client.point import PointRunner, PointSpec, RequestResult, SweepStopped
 from bench_client.records import by_replica
 from bench_client.server_api import Chunk, DecodeSpec, ServerInfo
 from bench_client.sweep import SweepEnd
@@ -80,7 +80,7 @@ class Quiet:
     def request_started(self, spec: PointSpec) -> None:
         """Nothing to show."""
 
-    def request_finished(self, spec: PointSpec, outcome: RequestOutcome) -> None:
+    def request_finished(self, spec: PointSpec, outcome: RequestResult) -> None:
         """Nothing to record."""
 
 
@@ -118,7 +118,7 @@ def test_a_stream_cut_mid_way_is_failed_never_retried(error: EngineError) -> Non
 
 
 def test_by_replica_counts_the_last_attempts() -> None:
-    outcomes = [RequestOutcome(i, False, 1, None, replica=r) for i, r in enumerate(["b:2", "a:1", "b:2", None])]
+    outcomes = [RequestResult(i, False, 1, None, replica=r) for i, r in enumerate(["b:2", "a:1", "b:2", None])]
     assert by_replica(outcomes) == {"a:1": 1, "b:2": 2, "none": 1}
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from bench_client import records
 from bench_client.__main__ import main
 from bench_client.metrics import Arrival, RequestTimeline
-from bench_client.point import PointOutcome, PointSpec, RequestOutcome
+from bench_client.point import PointOutcome, PointSpec, RequestResult
 from bench_client.report import LATENCY_PLOT, THROUGHPUT_PLOT, print_table, write_plots
 from bench_client.results import RESULTS
 from bench_client.server_api import ServerInfo
@@ -22,14 +22,14 @@ INFO = ServerInfo(model="tiny", max_context_tokens=256, max_new_tokens_limit=409
                   dtype="float32", tokenizer="byte", engine_version="0.1.0")
 
 
-def ok_request(index: int, start: float) -> RequestOutcome:
+def ok_request(index: int, start: float) -> RequestResult:
     timeline = RequestTimeline(sent_at=start, arrivals=(Arrival(start + 0.01, 1), Arrival(start + 0.03, 3)),
                                prompt_tokens=32, engine_queue_s=0.001, engine_ttft_s=0.008)
-    return RequestOutcome(index=index, warmup=False, attempts=1, timeline=timeline)
+    return RequestResult(index=index, warmup=False, attempts=1, timeline=timeline)
 
 
-def failed_request(index: int) -> RequestOutcome:
-    return RequestOutcome(index=index, warmup=False, attempts=1, timeline=None, status_code="ABORTED",
+def failed_request(index: int) -> RequestResult:
+    return RequestResult(index=index, warmup=False, attempts=1, timeline=None, status_code="ABORTED",
                           reason="SEQUENCE_ABORTED", message="sequence r aborted")
 
 
@@ -88,10 +88,10 @@ def test_report_command(tmp_path: Path, capsys) -> None:  # type: ignore[no-unty
     assert main(["report", str(tmp_path / "missing")]) == 2
 
 
-def cached_request(index: int, cached: int) -> RequestOutcome:
+def cached_request(index: int, cached: int) -> RequestResult:
     timeline = RequestTimeline(sent_at=0.0, arrivals=(Arrival(0.01, 1), Arrival(0.03, 3)), prompt_tokens=96,
                                cached_prompt_tokens=cached)
-    return RequestOutcome(index=index, warmup=False, attempts=1, timeline=timeline)
+    return RequestResult(index=index, warmup=False, attempts=1, timeline=timeline)
 
 
 def table_rows(records_: list[dict]) -> list[list[str]]:

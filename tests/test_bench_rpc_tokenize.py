@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from bench_client.rpc import EngineClient
-from bench_client.server_api import ChatMessage, Chunk, DecodeSpec
+from bench_client.server_api import ChatTurn, Chunk, DecodeSpec
 from engine.v1 import engine_pb2 as pb
 from shared.errors import InvalidField
 from tests.engines import EngineProcess
@@ -20,7 +20,7 @@ from tests.test_chat import write_chat_checkpoint
 pytestmark = pytest.mark.timeout(120)
 
 ClientOf = Callable[[EngineProcess], EngineClient]
-MESSAGES = (ChatMessage("system", "be brief"), ChatMessage("user", "the quick brown fox"))
+MESSAGES = (ChatTurn("system", "be brief"), ChatTurn("user", "the quick brown fox"))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from bench_client.openai_errors import from_first_error_frame
 from bench_client.openai_http import OpenAIClient
 from bench_client.openai_json import completion_body
 from bench_client.policy import Action, decide
-from bench_client.server_api import ChatMessage, Chunk, DecodeSpec
+from bench_client.server_api import ChatTurn, Chunk, DecodeSpec
 from shared.errors import BadRequest, ContextLengthExceeded, EngineError, QueueFull, StreamError
 from tests.tgi_fake import WORDS, TgiFake, start_tgi_fake, tgi_fake
 
@@ -79,7 +79,7 @@ async def test_a_text_prompt_streams(tgi: TgiFake, client: OpenAIClient, top_p: 
 
 @pytest.mark.parametrize("messages", [False, True], ids=["completions", "chat"])
 async def test_top_p_1_is_refused_inside_the_stream(tgi: TgiFake, client: OpenAIClient, messages: bool) -> None:
-    prompt: dict[str, Any] = ({"messages": (ChatMessage("user", "hi"),)} if messages
+    prompt: dict[str, Any] = ({"messages": (ChatTurn("user", "hi"),)} if messages
                               else {"prompt_text": "Once upon a time"})
     err = await refusal(client.decode(spec(top_p=1.0, **prompt), timeout=5))
     assert type(err) is BadRequest and err.message == TOP_P and err.http_status == 422
@@ -114,7 +114,7 @@ async def test_a_context_overflow_is_the_context_refusal() -> None:
 
 
 async def test_chat_streams(tgi: TgiFake, client: OpenAIClient) -> None:
-    messages = (ChatMessage("system", "be brief"), ChatMessage("user", "hi"))
+    messages = (ChatTurn("system", "be brief"), ChatTurn("user", "hi"))
     chunks = await collect(client.decode(spec(messages=messages, max_new_tokens=3), timeout=5))
     assert [(c.text, c.num_tokens) for c in chunks] == [(w, 1) for w in WORDS[:3]]
     rendered = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from bench_client.server_process import free_port, stop_blocking
 from tests.contract import decode, expect_error
 from tests.engines import ROOT, EngineProcess
 
@@ -99,12 +100,6 @@ def test_an_unbindable_metrics_port_is_a_start_up_error():
     assert failed and f"127.0.0.1:{port}" in failed[0]["error"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def prom_query(port: int, query: str) -> list[dict]:
     url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
     reply = json.load(urllib.request.urlopen(url, timeout=5))
@@ -147,5 +142,4 @@ def test_a_real_prometheus_scrapes_the_engine(metered, tmp_path):
         rejected = prom_query(port, 'engine_requests_total{status="INVALID_ARGUMENT",reason="INVALID_FIELD"}')
         assert float(rejected[0]["value"][1]) == 1.0
     finally:
-        server.terminate()
-        server.wait(20)
+        stop_blocking(server, 20)

@@ -11,6 +11,8 @@ import grpc
 import pytest
 
 from bench_client.openai_errors import (
+    NOT_SERVED,
+    client_timeout,
     code_for_status,
     from_error_frame,
     from_http_response,
@@ -21,6 +23,7 @@ from bench_client.openai_errors import (
 from bench_client.policy import Action, decide
 from shared.errors import (
     BadRequest,
+    ClientTimeout,
     ContextLengthExceeded,
     EngineError,
     EngineUnavailable,
@@ -219,3 +222,15 @@ def test_malformed_event_and_transport_failure() -> None:
     assert "http://127.0.0.1:9/v1/completions" in down.message and "Connection refused" in down.message
     assert decide(down, first_token_seen=False) is Action.WAIT_FOR_HEALTH_THEN_RETRY
     assert decide(down, first_token_seen=True) is Action.COUNT_FAILED
+
+
+def test_client_timeout_names_the_url_and_the_timeout() -> None:
+    err = client_timeout("http://127.0.0.1:9/v1/completions", 2.5)
+    assert type(err) is ClientTimeout
+    assert err.message == "http://127.0.0.1:9/v1/completions: no complete answer within the client's timeout of 2.5 s"
+    assert err.metadata == {"url": "http://127.0.0.1:9/v1/completions", "timeoutSeconds": "2.5"}
+
+
+def test_the_statuses_of_a_route_not_served() -> None:
+    assert NOT_SERVED == {404, 405, 501}
+    assert all(code_for_status(status) is grpc.StatusCode.UNIMPLEMENTED for status in NOT_SERVED)

@@ -25,10 +25,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from structlog.testing import LogCapture
 
-from bench_client import openai_http, openai_json
+from bench_client import openai_http, openai_json, openai_pool
 from bench_client.credentials import ChannelSecurity, TlsConfig
 from bench_client.openai_http import OpenAIClient
-from bench_client.server_api import ChatMessage, ChatSpec, Chunk, DecodeSpec, NoTokenizeEndpoint
+from bench_client.server_api import ChatSpec, ChatTurn, Chunk, DecodeSpec, NoTokenizeEndpoint
+from bench_client.server_process import free_port
 from shared.errors import (
     BadRequest,
     ClientTimeout,
@@ -156,12 +157,6 @@ async def collect_until_error(stream: Any) -> tuple[list[Chunk], EngineError]:
     return chunks, caught.value
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 # -- streams ---------------------------------------------------------------------------------------
 
 async def test_a_llama_server_stream(serve: Serve, client_for: Callable[..., OpenAIClient]) -> None:
@@ -281,7 +276,7 @@ async def test_chat(serve: Serve, client_for: Callable[..., OpenAIClient]) -> No
         [delta(None, role="assistant"), delta("Hel"), delta("lo"), delta(None, "stop"), usage, "[DONE]"],
         record=record)})
     client = client_for(url)
-    chunks = await collect(client.chat(ChatSpec("c", (ChatMessage("user", "hi"),), 8, 0.0, 3), timeout=5))
+    chunks = await collect(client.chat(ChatSpec("c", (ChatTurn("user", "hi"),), 8, 0.0, 3), timeout=5))
     assert [(c.text, c.num_tokens) for c in chunks] == [("Hel", 1), ("lo", 1), ("", 0)]
     assert chunks[-1].finish_reason == "EOS" and chunks[-1].completion_tokens == 2
     assert chunks[-1].cached_prompt_tokens == 1  # from timings.cache_n
@@ -561,7 +556,7 @@ async def test_messages_go_to_the_chat_route_with_the_sampling_fields(
     url = await serve({"POST /v1/chat/completions": sse(
         [delta(None, role="assistant"), 0.05, delta("Hel"), delta("lo"), delta(None, "length"), usage, "[DONE]"],
         record=record)})
-    messages = (ChatMessage("system", "be brief"), ChatMessage("user", "hi"))
+    messages = (ChatTurn("system", "be brief"), ChatTurn("user", "hi"))
     started = time.perf_counter()
     chunks = await collect(client_for(url).decode(text_spec(messages=messages), timeout=5))
     # the role-only delta is no token: the first chunk, TTFT's, is the first content delta
@@ -576,14 +571,14 @@ async def test_messages_go_to_the_chat_route_with_the_sampling_fields(
 
 
 def test_the_chat_preview_and_the_decode_of_messages_share_chat_body() -> None:
-    preview = ChatSpec("c", (ChatMessage("user", "hi"),), 8, 0.0, 3, stop=("\n",), json_schema='{"type": "object"}',
+    preview = ChatSpec("c", (ChatTurn("user", "hi"),), 8, 0.0, 3, stop=("\n",), json_schema='{"type": "object"}',
                        top_logprobs=2)
     assert openai_json.chat_body(preview, "m") == {
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0.0,
         "seed": 3, "stream": True, "stream_options": {"include_usage": True}, "stop": ["\n"],
         "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}},
         "logprobs": True, "top_logprobs": 2}
-    decode = text_spec(messages=(ChatMessage("user", "hi"),))
+    decode = text_spec(messages=(ChatTurn("user", "hi"),))
     assert openai_json.chat_body(decode, None) == {"messages": [{"role": "user", "content": "hi"}], **SAMPLING}
 
 
@@ -719,7 +714,7 @@ def silent_server() -> Iterator[Callable[..., SilentServer]]:
 
 def capture_log(monkeypatch: pytest.MonkeyPatch) -> LogCapture:
     captured = LogCapture()
-    monkeypatch.setattr(openai_http, "log", structlog.wrap_logger(None, processors=[captured],
+    monkeypatch.setattr(openai_pool, "log", structlog.wrap_logger(None, processors=[captured],
                                                                   wrapper_class=structlog.BoundLogger))
     return captured
 
@@ -808,7 +803,7 @@ async def test_an_idle_connection_is_not_reused_past_the_keepalive_timeout(
     for _ in range(2):
         await collect(client.decode(SPEC, timeout=5))
     assert server.requests == [(1, 1), (1, 2)]  # within KEEPALIVE_TIMEOUT_S: the same connection
-    monkeypatch.setattr(openai_http, "KEEPALIVE_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(openai_pool, "KEEPALIVE_TIMEOUT_S", 0.1)
     client = client_for(server.url)
     await collect(client.decode(SPEC, timeout=5))
     await asyncio.sleep(0.3)

@@ -2,7 +2,7 @@
 benchmarks (`python -m engine_service --port 0 ...` in this checkout, its JSON log lines collected).
 The bench client's own managed engine (bench_client/engine_process.py) is a product feature with
 log files and restarts, not this development tool, which lives in tools/ so that it does not ship in
-the wheel (it runs the engine of a checkout)."""
+the wheel (it runs the engine of a checkout). Both wait and stop through bench_client.server_process."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench_client.server_process import wait_until_serving_blocking
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 
@@ -73,21 +75,13 @@ class EngineProcess:
         return engine_pb2_grpc.EngineServiceStub(self.channel())
 
     def health(self, service: str = "") -> int:
-        with self.channel() as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        return health_status(self.address, service)
 
     def wait_serving(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited with {self.proc.returncode}: {''.join(self.raw_lines[-20:])}")
-            try:
-                if self.health() == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass  # not answering yet: poll again
-            time.sleep(0.05)
+        if wait_serving(self.address, timeout, self.proc):
+            return
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"engine exited with {self.proc.returncode}: {''.join(self.raw_lines[-20:])}")
         raise RuntimeError(f"engine not SERVING within {timeout}s")
 
     def load(self) -> pb.Load:
@@ -133,3 +127,23 @@ class EngineProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+def health_status(address: str, service: str = "", timeout: float = 5.0) -> int:
+    """The grpc.health.v1 status of `service` at `address` (raises grpc.RpcError while it does not answer)."""
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+
+
+def wait_serving(address: str, timeout: float, proc: subprocess.Popen[Any] | None = None, poll_s: float = 0.05) -> bool:
+    """Poll grpc.health.v1 at `address` until SERVING; False if `timeout` passes first, or `proc`
+    (when given) exits."""
+
+    def serving(check_timeout: float) -> bool:
+        try:
+            return health_status(address, timeout=check_timeout) == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False  # down or still starting: poll again
+
+    return wait_until_serving_blocking(proc, serving, timeout, poll_s)
