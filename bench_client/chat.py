@@ -42,7 +42,7 @@ class Question:
 
 
 @dataclass(frozen=True)
-class Answer:
+class ChatAnswer:
     text: str
     # "EOS" (the model's end of turn), "LENGTH" (max_new_tokens reached), "STOP" (a stop string,
     # or the JSON Schema's value complete)
@@ -52,7 +52,7 @@ class Answer:
     stop_string: str | None = None
 
 
-async def ask(client: ServerClient, question: Question, *, timeout: float, out: TextIO) -> Answer:
+async def ask(client: ServerClient, question: Question, *, timeout: float, out: TextIO) -> ChatAnswer:
     """Send the question, write the answer's text to `out` as it streams in (then a newline), and
     return it; a failed call raises its EngineError (shared.errors), with the server's reason and
     message."""
@@ -73,7 +73,7 @@ async def ask(client: ServerClient, question: Question, *, timeout: float, out: 
         stop_string = chunk.stop_string or stop_string
     out.write("\n")  # the answer's line ends now, before a managed engine's drain logs anything
     out.flush()
-    return Answer("".join(pieces), finish_reason, tokens, tuple(logprobs), stop_string)
+    return ChatAnswer("".join(pieces), finish_reason, tokens, tuple(logprobs), stop_string)
 
 
 def logprob_lines(logprobs: tuple[TokenLogprob, ...]) -> list[str]:
@@ -106,7 +106,7 @@ async def managed_engine(model: str) -> AsyncIterator[str]:
             await engine.close()
 
 
-async def ask_engine(question: Question, *, target: str | None, model: str, timeout: float, out: TextIO) -> Answer:
+async def ask_engine(question: Question, *, target: str | None, model: str, timeout: float, out: TextIO) -> ChatAnswer:
     """Ask the engine at `target`, or a managed engine serving `model` when there is no target."""
     if target is not None:
         client = EngineClient(target)

@@ -97,7 +97,7 @@ class PointId:
 
 
 @dataclass(frozen=True)
-class Row:
+class ComparisonRow:
     """One point of both sides."""
 
     point: PointId
@@ -126,7 +126,7 @@ class Comparison:
 
     a_name: str  # a run's path, or a server's name
     b_name: str
-    rows: list[Row]
+    rows: list[ComparisonRow]
     only_a: list[PointId]
     only_b: list[PointId]
     show_server: bool  # False when the sides are servers of one run (the names say which)
@@ -163,7 +163,7 @@ def compare(a_records: Sequence[Mapping[str, Any]], b_records: Sequence[Mapping[
         raise ResultsError(f"a point record of {a_name!r} or {b_name!r} lacks or mangles a field "
                            f"({type(err).__name__}: {err})") from err
     shared = sorted(a.keys() & b.keys())
-    return Comparison(a_name, b_name, [Row(p, a[p], b[p]) for p in shared], sorted(a.keys() - b.keys()),
+    return Comparison(a_name, b_name, [ComparisonRow(p, a[p], b[p]) for p in shared], sorted(a.keys() - b.keys()),
                       sorted(b.keys() - a.keys()), show_server, *tags)
 
 
@@ -255,7 +255,7 @@ def write_plot(comparisons: Sequence[Comparison], path: Path) -> Path | None:
     return path
 
 
-def _tick(row: Row, comparison: Comparison) -> str:
+def _tick(row: ComparisonRow, comparison: Comparison) -> str:
     """The point's parameters; a point skipped or failed on a side says so (it has no bars)."""
     point = row.point
     server, engine, workload, ctx, prefix, new, conc, rate = point.cells()

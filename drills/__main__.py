@@ -12,9 +12,9 @@ import grpc
 
 from drills import compose, crash, drain, fuzz, fuzz_http, http_peer, overload, readers, replicas, seqfaults
 from drills.common import note
-from drills.row import Row, markdown_table
+from drills.row import DrillRow, markdown_table
 
-DRILLS: dict[str, Callable[[bool], Row]] = {
+DRILLS: dict[str, Callable[[bool], DrillRow]] = {
     fuzz.NAME: fuzz.run,
     fuzz_http.NAME: fuzz_http.run,
     overload.NAME: overload.run,
@@ -27,26 +27,27 @@ DRILLS: dict[str, Callable[[bool], Row]] = {
 }
 # Run only when named: they need what a plain checkout may not have (a Docker daemon) and are not
 # among "all" (nor tests/test_drills.py's parametrization over DRILLS). CI runs them where they can run.
-OPT_IN: dict[str, Callable[[bool], Row]] = {
+OPT_IN: dict[str, Callable[[bool], DrillRow]] = {
     compose.NAME: compose.run,
 }
 # A drill's one-sentence outcome, printed last (e.g. `compose: 3 replicas, 2 kills, 480 requests, 0 lost`).
-OUTCOMES: dict[str, Callable[[Row], str]] = {compose.NAME: compose.outcome}
+OUTCOMES: dict[str, Callable[[DrillRow], str]] = {compose.NAME: compose.outcome}
 
 
-def run_one(name: str, quick: bool) -> Row:
+def run_one(name: str, quick: bool) -> DrillRow:
     """Run a drill; if its own machinery breaks (an engine that never starts, a port taken), the
     row says so and fails. A bug in a drill is not caught: it stops the run loudly."""
     started = time.monotonic()
     try:
         row = {**DRILLS, **OPT_IN}[name](quick)
     except (RuntimeError, OSError, grpc.RpcError, subprocess.SubprocessError, TimeoutError) as err:
-        row = Row(name, "(could not run)", "-", f"drill could not run: {type(err).__name__}: {err}"[:300], 0, False)
+        row = DrillRow(name, "(could not run)", "-", f"drill could not run: {type(err).__name__}: {err}"[:300], 0,
+                       False)
     note(name, f"{'pass' if row.passed else 'FAIL'} in {time.monotonic() - started:.1f} s")
     return row
 
 
-def totals(rows: list[Row]) -> str:
+def totals(rows: list[DrillRow]) -> str:
     """The headline figures across the drills that ran (those that did not run are left out). A
     count that several drills report (client kill -9, resumes tested) is summed over them."""
     fig = {k: v for r in rows for k, v in r.figures.items()}

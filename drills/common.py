@@ -19,11 +19,11 @@ from tools.local_engine import EngineProcess
 ROOT = Path(__file__).resolve().parent.parent
 DECODE_METHOD = "/engine.v1.EngineService/Decode"
 
-__all__ = ["ROOT", "Answer", "EngineProcess", "answer_of", "collect", "note", "rss_kib"]
+__all__ = ["ROOT", "CallResult", "EngineProcess", "answer_of", "collect", "note", "rss_kib"]
 
 
 @dataclass(frozen=True)
-class Answer:
+class CallResult:
     """How one call ended: "OK" or a status name, the ErrorInfo reason, the BadRequest field,
     the RetryInfo delay, the ErrorInfo metadata, and the tokens streamed before the end."""
 
@@ -46,14 +46,14 @@ class Answer:
         return f"{self.code}/{self.reason or '-'}" + (f" ({self.message[:80]})" if self.message else "")
 
 
-def answer_of(err: grpc.RpcError, tokens: Iterable[int] = ()) -> Answer:
+def answer_of(err: grpc.RpcError, tokens: Iterable[int] = ()) -> CallResult:
     """Read a failed call as the contract describes it."""
     e = from_rpc_error(err)
-    return Answer(status_code_of(e).name, e.reason, e.field, e.retry_delay, dict(e.metadata), tuple(tokens),
-                  e.message)
+    return CallResult(status_code_of(e).name, e.reason, e.field, e.retry_delay, dict(e.metadata), tuple(tokens),
+                      e.message)
 
 
-def collect(call: Iterable[pb.DecodeResponse]) -> Answer:
+def collect(call: Iterable[pb.DecodeResponse]) -> CallResult:
     """Read a Decode stream to its end: OK with every token, or the error with the tokens before it."""
     tokens: list[int] = []
     try:
@@ -61,7 +61,7 @@ def collect(call: Iterable[pb.DecodeResponse]) -> Answer:
             tokens.extend(msg.token_ids)
     except grpc.RpcError as err:
         return answer_of(err, tokens)
-    return Answer("OK", tokens=tuple(tokens))
+    return CallResult("OK", tokens=tuple(tokens))
 
 
 def rss_kib(pid: int) -> int:

@@ -43,7 +43,7 @@ from drills.common import ROOT, note
 from drills.crash import recorded_lines
 from drills.grid import Grid
 from drills.replicas import audit_rolling_sweep, config_toml, wait_points
-from drills.row import Checks, Row
+from drills.row import Checks, DrillRow
 from drills.sweep_audit import read_jsonl
 
 NAME = "compose"
@@ -280,7 +280,7 @@ def span_services(stack: Stack, replaced: list[str]) -> dict[str, int]:
         return {name: 1 for name in json.load(answer)["data"] or []}  # Jaeger lists services, not counts
 
 
-def run(quick: bool) -> Row:
+def run(quick: bool) -> DrillRow:
     # Points paced at `rate` requests/s: the sweep outlasts the two restarts (a replica loads and traces
     # smollm2 in about a minute, more while the others serve), so the restarted ones serve again.
     grid, rate = ((Grid([64, 128], [2, 4], 16, 40), 1.0) if quick
@@ -293,7 +293,7 @@ def run(quick: bool) -> Row:
         daemon.stop()
 
 
-def _run(grid: Grid, rate: float, how: str) -> Row:
+def _run(grid: Grid, rate: float, how: str) -> DrillRow:
     checks = Checks()
     note(NAME, how)
     compose = compose_command()
@@ -416,7 +416,7 @@ def _drive(stack: Stack, grid: Grid, rate: float, shared: Path, replaced: list[s
             "spans": "/".join(f"{k} {v}" for k, v in sorted(spans.items()))}
 
 
-def outcome(row: Row) -> str:
+def outcome(row: DrillRow) -> str:
     """The drill's last line: `compose: 3 replicas, 2 kills, 480 requests, 0 lost`."""
     if "requests" not in row.figures:
         return f"compose: not run ({row.happened})"

@@ -18,7 +18,7 @@ from pathlib import Path
 from bench_client.server_process import free_port
 from drills.common import ROOT, EngineProcess, note
 from drills.grid import Grid
-from drills.row import Checks, Row
+from drills.row import Checks, DrillRow
 from drills.supervisor import Supervisor
 from drills.sweep_audit import lost_points, read_jsonl
 from tools.local_engine import wait_serving
@@ -118,7 +118,7 @@ def client_kills(work: Path, quick: bool, checks: Checks) -> tuple[int, dict[str
     return lost, {"client kill -9": kills, "kills mid-sweep": mid_sweep, "resumes after kill": resumes}
 
 
-def run(quick: bool) -> Row:
+def run(quick: bool) -> DrillRow:
     checks = Checks()
     with tempfile.TemporaryDirectory(prefix="drill-crash-") as tmp:
         work = Path(tmp)

@@ -9,8 +9,8 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from drills.common import Answer, EngineProcess, collect, note
-from drills.row import Checks, Row
+from drills.common import CallResult, EngineProcess, collect, note
+from drills.row import Checks, DrillRow
 from engine.v1 import engine_pb2 as pb
 
 NAME = "drain"
@@ -40,7 +40,7 @@ def within_grace(batch: int, checks: Checks) -> tuple[int, dict[str, object]]:
         late = [collect(engine.stub().Decode(pb.DecodeRequest(prompt_text="late", max_new_tokens=4), timeout=10))
                 for _ in range(5)]
         health = engine.health()
-        in_flight: list[Answer] = [f.result(timeout=120) for f in futures]
+        in_flight: list[CallResult] = [f.result(timeout=120) for f in futures]
         code = engine.wait(GRACE_S + EXIT_SLACK_S)
         exited_after = time.monotonic() - signalled
     checks.expect(running == batch, f"only {running} of {batch} rows running at SIGTERM")
@@ -60,7 +60,7 @@ def past_grace(batch: int, checks: Checks) -> tuple[int, dict[str, object]]:
         futures = start_full_batch(engine, pool, batch, 8000)
         engine.signal(signal.SIGTERM)
         signalled = time.monotonic()
-        cut: list[Answer] = [f.result(timeout=60) for f in futures]
+        cut: list[CallResult] = [f.result(timeout=60) for f in futures]
         code = engine.wait(SHORT_GRACE_S + EXIT_SLACK_S + 10)
         exited_after = time.monotonic() - signalled
     wrong = [a.short() for a in cut if not a.is_("UNAVAILABLE", "ENGINE_DRAINING")]
@@ -71,7 +71,7 @@ def past_grace(batch: int, checks: Checks) -> tuple[int, dict[str, object]]:
                         "exit past grace": f"{code} after {exited_after:.1f} s"}
 
 
-def run(quick: bool) -> Row:
+def run(quick: bool) -> DrillRow:
     batch = 4 if quick else 8
     checks = Checks()
     note(NAME, f"SIGTERM at a full batch of {batch}, grace {GRACE_S:g} s")

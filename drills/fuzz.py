@@ -26,8 +26,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drills.common import DECODE_METHOD, Answer, EngineProcess, answer_of, collect, note
-from drills.row import Checks, Row
+from drills.common import DECODE_METHOD, CallResult, EngineProcess, answer_of, collect, note
+from drills.row import Checks, DrillRow
 from engine.v1 import engine_pb2 as pb
 
 NAME = "fuzz"
@@ -360,7 +360,7 @@ DECODE_EDGES = [("edge", m.SerializeToString()) for m in _decode_edges()]
 TOKENIZE_EDGES = [("edge", m.SerializeToString()) for m in _tokenize_edges()]
 
 
-def acceptable(answer: Answer) -> bool:
+def acceptable(answer: CallResult) -> bool:
     """The contract for bad input: OK, or INVALID_ARGUMENT with a field violation or a context limit."""
     if answer.ok:
         return all(t < VOCAB for t in answer.tokens)
@@ -378,7 +378,7 @@ class Outcome:
     field: str | None = None  # INVALID_FIELD's BadRequest field
     prompt_tokens: int | None = None  # CONTEXT_LENGTH_EXCEEDED's promptTokens
 
-    def matches(self, answer: Answer) -> bool:
+    def matches(self, answer: CallResult) -> bool:
         if answer.code != self.code or answer.reason != self.reason:
             return False
         if self.field is not None and answer.field != self.field:
@@ -540,7 +540,7 @@ def stream_violations(msg: pb.DecodeRequest, prompt: tuple[int, ...], responses:
     return wrong
 
 
-def collect_all(call: Iterable[pb.DecodeResponse]) -> tuple[Answer, list[pb.DecodeResponse]]:
+def collect_all(call: Iterable[pb.DecodeResponse]) -> tuple[CallResult, list[pb.DecodeResponse]]:
     """drills.common.collect, keeping the messages."""
     responses: list[pb.DecodeResponse] = []
     try:
@@ -548,10 +548,10 @@ def collect_all(call: Iterable[pb.DecodeResponse]) -> tuple[Answer, list[pb.Deco
             responses.append(msg)
     except grpc.RpcError as err:
         return answer_of(err, [t for r in responses for t in r.token_ids]), responses
-    return Answer("OK", tokens=tuple(t for r in responses for t in r.token_ids)), responses
+    return CallResult("OK", tokens=tuple(t for r in responses for t in r.token_ids)), responses
 
 
-class Steady(threading.Thread):
+class GoodTraffic(threading.Thread):
     """Well-formed greedy requests on their own connection, compared with a baseline."""
 
     def __init__(self, address: str, baseline: dict[str, tuple[int, ...]]) -> None:
@@ -577,7 +577,7 @@ def good_request(prompt: str) -> pb.DecodeRequest:
     return pb.DecodeRequest(prompt_text=prompt, max_new_tokens=MAX_NEW, ignore_eos=True)
 
 
-def run(quick: bool) -> Row:
+def run(quick: bool) -> DrillRow:
     n_cases = 300 if quick else 2000
     checks = Checks()
     kinds: Counter[str] = Counter()
@@ -593,11 +593,11 @@ def run(quick: bool) -> Row:
                                            response_deserializer=pb.TokenizeResponse.FromString)
         baseline = {p: collect(decode_raw(good_request(p).SerializeToString(), timeout=30)).tokens
                     for p in GOOD_PROMPTS}
-        steady = Steady(engine.address, baseline)
+        steady = GoodTraffic(engine.address, baseline)
         steady.start()
         started = time.monotonic()
 
-        def judge(kind: str, raw: bytes, got: Answer, allowed: tuple[Outcome, ...], wrong: list[str]) -> None:
+        def judge(kind: str, raw: bytes, got: CallResult, allowed: tuple[Outcome, ...], wrong: list[str]) -> None:
             kinds[kind] += 1
             answers[(f"{got.code}/{got.reason}" if got.reason else got.code)] += 1
             failures = bad if not acceptable(got) else mispredicted
@@ -624,7 +624,7 @@ def run(quick: bool) -> Row:
         def send_tokenize(case: tuple[str, bytes]) -> None:
             kind, raw = case
             try:
-                response, got = tokenize_raw(raw, timeout=30), Answer("OK")
+                response, got = tokenize_raw(raw, timeout=30), CallResult("OK")
             except grpc.RpcError as err:
                 response, got = None, answer_of(err)
             msg = parsed(pb.TokenizeRequest, raw)

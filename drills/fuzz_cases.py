@@ -1,6 +1,6 @@
 """What the fuzz-http drill's two halves (drills/fuzz_http.py: HTTP streams; drills/fuzz_files.py:
 dataset files) share: strategies of JSON values, the edge sizes past what json.loads reads, the
-hypothesis runner of each strategy, and the Tally of cases by kind and failed checks."""
+hypothesis runner of each strategy, and the CaseTally of cases by kind and failed checks."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ DEEP = 5000  # nesting past Python's recursion limit: json.loads raises Recursio
 LONG_NUMBER = "9" * 5000  # past the 4300 digits Python reads: json.loads raises a plain ValueError
 
 
-class Tally:
+class CaseTally:
     """Cases by kind, and for each failed check how many cases failed it and the first of them."""
 
     def __init__(self, drill: str) -> None:

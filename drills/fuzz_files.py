@@ -9,7 +9,7 @@ it. Each call is bounded in time; any other exception is a failure.
 
 Here: the strategies of those files, the judges of each read, the cases earlier runs found
 (JSONL_EDGES, SHAREGPT_EDGES, replayed first in every run) and `fuzz_all`, which reads them all into
-the drill's Tally. drills/fuzz_http.py runs it, after the streams, as part of the one drill."""
+the drill's CaseTally. drills/fuzz_http.py runs it, after the streams, as part of the one drill."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from bench_client import datasets
 from bench_client.datasets import DatasetError, JsonlRequest, ShareGPTConversation, parse_sharegpt, read_jsonl
 from bench_client.server_api import ChatTurn
-from drills.fuzz_cases import DEEP, LONG_NUMBER, Tally, fuzz, json_scalars, json_values, sometimes
+from drills.fuzz_cases import DEEP, LONG_NUMBER, CaseTally, fuzz, json_scalars, json_values, sometimes
 
 FILE_TIMEOUT_S = 10.0
 
@@ -383,7 +383,7 @@ def read_sharegpt_bytes(case: ShareGPTCase, source: str) -> Any:
         datasets.READ_BLOCK_CHARS = original
 
 
-def fuzz_all(n: dict[str, int], tally: Tally) -> None:
+def fuzz_all(n: dict[str, int], tally: CaseTally) -> None:
     """Every dataset-file case: the edges first, then those hypothesis draws of each kind."""
     with tempfile.TemporaryDirectory(prefix="fuzz-http-") as folder:
         path = Path(folder, "requests.jsonl")

@@ -17,7 +17,7 @@ classified as bench_client/openai_errors.py's table says.
 
 Cases earlier runs found, and every status of the error table, are replayed first in every run
 (STREAM_EDGES here; JSONL_EDGES and SHAREGPT_EDGES in fuzz_files.py). `run` fuzzes the streams, then
-the files, into one Tally: the row lists each failed check with its count of cases and an example;
+the files, into one CaseTally: the row lists each failed check with its count of cases and an example;
 the first failing case of each check is printed whole on stderr, to replay it."""
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from bench_client.point import _success
 from bench_client.server_api import ChatTurn, Chunk, DecodeSpec
 from drills import fuzz_files
 from drills.common import note
-from drills.fuzz_cases import DEEP, Tally, fuzz, json_scalars, json_values, sometimes
-from drills.row import Checks, Row
+from drills.fuzz_cases import DEEP, CaseTally, fuzz, json_scalars, json_values, sometimes
+from drills.row import Checks, DrillRow
 from shared.errors import (
     BadRequest,
     ClientTimeout,
@@ -84,7 +84,7 @@ COMPLETE, REFUSED, STATUS, TORN_CUT, TORN_END, ANY = "complete", "refused", "sta
 
 
 @dataclass(frozen=True)
-class Answer:
+class ScriptedAnswer:
     """One answer of the fake server and what the client must make of it."""
 
     kind: str  # COMPLETE, REFUSED (an EngineError, no chunk), STATUS, TORN_CUT, TORN_END, ANY
@@ -119,8 +119,8 @@ counts = st.integers(0, 10**6)
 
 
 @st.composite
-def well_formed(draw: st.DrawFn) -> tuple[list[dict[str, Any]], int, Answer]:
-    """(the events as JSON objects, the finish event's index, the Answer they make, unrendered); the
+def well_formed(draw: st.DrawFn) -> tuple[list[dict[str, Any]], int, ScriptedAnswer]:
+    """(the events as JSON objects, the finish event's index, the ScriptedAnswer they make, unrendered); the
     last events are the finish event and the usage-only event after it, when there is one."""
     chat = draw(st.booleans())
     tokens = draw(st.lists(token_texts, max_size=30))
@@ -174,8 +174,8 @@ def well_formed(draw: st.DrawFn) -> tuple[list[dict[str, Any]], int, Answer]:
     if place == "after":
         events.append({"choices": [], "usage": usage})
     sent_usage = usage if place != "none" else None
-    answer = Answer(COMPLETE, chat, b"", text="".join(tokens), finish=expected_finish, usage=sent_usage,
-                    timings=timings, logprob_tokens=n if with_logprobs else None)
+    answer = ScriptedAnswer(COMPLETE, chat, b"", text="".join(tokens), finish=expected_finish, usage=sent_usage,
+                            timings=timings, logprob_tokens=n if with_logprobs else None)
     return events, finish_index, answer
 
 
@@ -245,7 +245,7 @@ def cuts(draw: st.DrawFn, body: bytes) -> tuple[int, ...]:
 
 
 @st.composite
-def streams(draw: st.DrawFn) -> Answer:
+def streams(draw: st.DrawFn) -> ScriptedAnswer:
     """A well-formed answer, rendered."""
     events, finish_index, answer = draw(well_formed())
     frames = [Frame(dumps(draw, e), "finish" if i == finish_index else "event") for i, e in enumerate(events)]
@@ -312,7 +312,7 @@ ODD = "events of any shape"
 
 
 @st.composite
-def defective(draw: st.DrawFn, defect: str) -> Answer:
+def defective(draw: st.DrawFn, defect: str) -> ScriptedAnswer:
     """A well-formed answer with a defect before its end ([DONE] or the end of the body): REFUSED; or,
     for ODD, with 1..3 events of any shape among its own: ANY."""
     events, _, answer = draw(well_formed())
@@ -334,7 +334,7 @@ def defective(draw: st.DrawFn, defect: str) -> Answer:
 
 
 @st.composite
-def torn(draw: st.DrawFn) -> Answer:
+def torn(draw: st.DrawFn) -> ScriptedAnswer:
     """A well-formed answer that stops at any byte: the connection cut (TORN_CUT: chunked, or short of
     its Content-Length), or the body ended there cleanly (TORN_END)."""
     answer = draw(streams())
@@ -368,7 +368,7 @@ retry_afters = st.one_of(st.integers(0, 10**6).map(str), st.floats(0, 1e6).map(l
 
 
 @st.composite
-def refusals(draw: st.DrawFn) -> Answer:
+def refusals(draw: st.DrawFn) -> ScriptedAnswer:
     """An HTTP error status, with any body (JSON of the servers' shapes or any other, text, bytes)."""
     status = draw(statuses)
     context = None
@@ -398,12 +398,12 @@ def refusals(draw: st.DrawFn) -> Answer:
                                                       "text/html; charset=utf-8"])))]
     if draw(st.booleans()):
         headers.append(("Retry-After", draw(retry_afters)))
-    return Answer(STATUS, draw(st.booleans()), body, cuts=draw(cuts(body)), status=status, headers=tuple(headers),
-                  context=context)
+    return ScriptedAnswer(STATUS, draw(st.booleans()), body, cuts=draw(cuts(body)), status=status,
+                          headers=tuple(headers), context=context)
 
 
 @st.composite
-def other_types(draw: st.DrawFn) -> Answer:
+def other_types(draw: st.DrawFn) -> ScriptedAnswer:
     """A 200 answer that is not an event stream: REFUSED, whatever its body."""
     answer = draw(streams())
     kind = draw(st.sampled_from(["application/json", "text/plain", "text/html", "application/octet-stream", ""]))
@@ -413,7 +413,7 @@ def other_types(draw: st.DrawFn) -> Answer:
 
 
 @st.composite
-def huge(draw: st.DrawFn, size: int) -> Answer:
+def huge(draw: st.DrawFn, size: int) -> ScriptedAnswer:
     """A huge line: one event of `size` characters of text (COMPLETE), a comment line as long, or data
     as long that is not JSON (REFUSED), written in pieces of 64 KiB."""
     kind = draw(st.sampled_from(["text", "comment", "not JSON"]))
@@ -427,18 +427,18 @@ def huge(draw: st.DrawFn, size: int) -> Answer:
     else:
         head = (": " if kind == "comment" else "data: ") + text + "\n\n"
     body = (head + "data: " + finish + "\n\ndata: [DONE]\n\n").encode()
-    return Answer(REFUSED if kind == "not JSON" else COMPLETE, chat, body, text=text if kind == "text" else "",
-                  cuts=tuple(range(1 << 16, len(body), 1 << 16)), finish="LENGTH", usage=usage)
+    return ScriptedAnswer(REFUSED if kind == "not JSON" else COMPLETE, chat, body, text=text if kind == "text" else "",
+                          cuts=tuple(range(1 << 16, len(body), 1 << 16)), finish="LENGTH", usage=usage)
 
 
 # -- the server and the judge --------------------------------------------------------------------
 
 
 class FakeServer:
-    """aiohttp on 127.0.0.1:0 answering each request with the Answer registered for its prompt."""
+    """aiohttp on 127.0.0.1:0 answering each request with the ScriptedAnswer registered for its prompt."""
 
     def __init__(self) -> None:
-        self.answers: dict[str, Answer] = {}
+        self.answers: dict[str, ScriptedAnswer] = {}
         self.received: dict[str, tuple[str, dict[str, Any]]] = {}
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -502,7 +502,8 @@ async def read_answer(client: OpenAIClient, key: str, chat: bool, got: Got) -> N
         got.error = err
 
 
-def judge(answer: Answer, got: Got, request: tuple[str, dict[str, Any]] | None, key: str) -> list[tuple[str, str]]:
+def judge(answer: ScriptedAnswer, got: Got, request: tuple[str, dict[str, Any]] | None,
+          key: str) -> list[tuple[str, str]]:
     """The checks this answer fails: (check, what happened)."""
     if got.hung:
         return [("never a hang", f"no end within {CASE_TIMEOUT_S:g} s")]
@@ -601,22 +602,25 @@ def _sse(*datas: str) -> bytes:
 FIN = '{"choices": [{"text": "", "finish_reason": "stop"}]'
 STREAM_EDGES = [
     # the issue: llama-server's events carry several tokens; the point counts usage's 7, not 3 events
-    Answer(COMPLETE, False, _sse('{"choices": [{"text": "Hello, "}]}', '{"choices": [{"text": "wor"}]}',
-                                 '{"choices": [{"text": "ld!", "finish_reason": "length"}], "usage": '
-                                 '{"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}}', "[DONE]"),
-           text="Hello, world!", finish="LENGTH",
-           usage={"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}),
-    Answer(ANY, False, _sse('{"choices": [{"text": "a"}]}', FIN + ', "timings": {"cache_n": NaN}}', "[DONE]")),
-    Answer(ANY, True, _sse('{"choices": [{"delta": {"content": "a"}}]}', FIN + ', "timings": {"cache_n": Infinity}}')),
-    Answer(ANY, False, _sse('{"choices": [{"text": "a"}]}', FIN + ', "timings": {"prompt_n": 1' + "0" * 400 + "}}")),
-    Answer(REFUSED, False, _sse('{"choices": [{"text": "a"}]}', "[" * DEEP + "]" * DEEP), text="a",
-           finish="data nested 5000 deep"),
-    Answer(STATUS, False, b"[" * DEEP + b"]" * DEEP, status=400, headers=(("Content-Type", "application/json"),)),
-    Answer(STATUS, False, b'{"error": {"message": "slow down"}}', status=429,
-           headers=(("Content-Type", "application/json"), ("Retry-After", "9" * 400))),
+    ScriptedAnswer(COMPLETE, False, _sse('{"choices": [{"text": "Hello, "}]}', '{"choices": [{"text": "wor"}]}',
+                                         '{"choices": [{"text": "ld!", "finish_reason": "length"}], "usage": '
+                                         '{"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}}', "[DONE]"),
+                   text="Hello, world!", finish="LENGTH",
+                   usage={"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}),
+    ScriptedAnswer(ANY, False, _sse('{"choices": [{"text": "a"}]}', FIN + ', "timings": {"cache_n": NaN}}', "[DONE]")),
+    ScriptedAnswer(ANY, True, _sse('{"choices": [{"delta": {"content": "a"}}]}',
+                                   FIN + ', "timings": {"cache_n": Infinity}}')),
+    ScriptedAnswer(ANY, False, _sse('{"choices": [{"text": "a"}]}',
+                                    FIN + ', "timings": {"prompt_n": 1' + "0" * 400 + "}}")),
+    ScriptedAnswer(REFUSED, False, _sse('{"choices": [{"text": "a"}]}', "[" * DEEP + "]" * DEEP), text="a",
+                   finish="data nested 5000 deep"),
+    ScriptedAnswer(STATUS, False, b"[" * DEEP + b"]" * DEEP, status=400,
+                   headers=(("Content-Type", "application/json"),)),
+    ScriptedAnswer(STATUS, False, b'{"error": {"message": "slow down"}}', status=429,
+                   headers=(("Content-Type", "application/json"), ("Retry-After", "9" * 400))),
     # every status of the table, and one of each other kind, whatever hypothesis draws
-    *(Answer(STATUS, status % 2 == 0, b'{"error": {"message": "refused", "type": "x", "code": %d}}' % status,
-             status=status, headers=(("Content-Type", "application/json"),))
+    *(ScriptedAnswer(STATUS, status % 2 == 0, b'{"error": {"message": "refused", "type": "x", "code": %d}}' % status,
+                     status=status, headers=(("Content-Type", "application/json"),))
       for status in (*TABLE, 418, 599, 201, 302)),
 ]
 
@@ -660,14 +664,14 @@ class Hung(Exception):
     pass
 
 
-def fuzz_streams(quick: bool, n: dict[str, int], tally: Tally) -> None:
+def fuzz_streams(quick: bool, n: dict[str, int], tally: CaseTally) -> None:
     with LoopThread() as loop:
         server = FakeServer()
         loop.run(server.start(), 30)
         client = OpenAIClient(server.url, concurrency=4)  # one client for all: connections are reused
         sent = iter(range(10**9))
 
-        def send(answer: Answer) -> None:
+        def send(answer: ScriptedAnswer) -> None:
             key = f"case-{next(sent)}"
             server.answers[key] = answer
             got = Got()
@@ -698,9 +702,9 @@ def fuzz_streams(quick: bool, n: dict[str, int], tally: Tally) -> None:
             loop.run(server.runner.cleanup(), 30)
 
 
-def run(quick: bool) -> Row:
+def run(quick: bool) -> DrillRow:
     n, n_files = (QUICK, fuzz_files.QUICK) if quick else (FULL, fuzz_files.FULL)
-    tally = Tally(NAME)
+    tally = CaseTally(NAME)
     checks = Checks()
     started = time.monotonic()
     note(NAME, f"{sum(n.values())} answers over HTTP, {sum(n_files.values())} dataset files")

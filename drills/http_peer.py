@@ -27,7 +27,7 @@ from bench_client import peers
 from drills.common import ROOT, note
 from drills.crash import recorded_lines
 from drills.grid import Grid
-from drills.row import Checks, Row
+from drills.row import Checks, DrillRow
 from drills.sweep_audit import audit_completed_sweep, lost_points, read_jsonl
 
 NAME = "http"
@@ -269,11 +269,11 @@ def server_kills(work: Path, quick: bool, checks: Checks) -> tuple[int, dict[str
                            "points (server kills)": total}
 
 
-def run(quick: bool) -> Row:
+def run(quick: bool) -> DrillRow:
     try:
         binary = peers.llama_server()
     except peers.PeerMissing as err:
-        return Row(NAME, "(could not run)", "-", f"drill could not run: {err}"[:300], 0, False)
+        return DrillRow(NAME, "(could not run)", "-", f"drill could not run: {err}"[:300], 0, False)
     note(NAME, f"llama-server {binary}")
     checks = Checks()
     with tempfile.TemporaryDirectory(prefix="drill-http-") as tmp:

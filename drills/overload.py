@@ -12,8 +12,8 @@ from collections import Counter
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from drills.common import Answer, EngineProcess, answer_of, collect, note, rss_kib
-from drills.row import Checks, Row
+from drills.common import CallResult, EngineProcess, answer_of, collect, note, rss_kib
+from drills.row import Checks, DrillRow
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 
@@ -23,7 +23,7 @@ CALLERS_PER_CHANNEL = 64
 RSS_GROWTH_BOUND_KIB = 64 * 1024
 
 
-class Tally:
+class StormTally:
     def __init__(self) -> None:
         self.answers: Counter[str] = Counter()
         self.completed = 0
@@ -34,17 +34,17 @@ class Tally:
         self.peak_rss_kib = 0
 
 
-async def read(call: grpc.aio.UnaryStreamCall) -> Answer:
+async def read(call: grpc.aio.UnaryStreamCall) -> CallResult:
     tokens: list[int] = []
     try:
         async for msg in call:
             tokens.extend(msg.token_ids)
     except grpc.RpcError as err:
         return answer_of(err, tokens)
-    return Answer("OK", tokens=tuple(tokens))
+    return CallResult("OK", tokens=tuple(tokens))
 
 
-async def caller(stub: engine_pb2_grpc.EngineServiceStub, index: int, until: float, tally: Tally) -> None:
+async def caller(stub: engine_pb2_grpc.EngineServiceStub, index: int, until: float, tally: StormTally) -> None:
     n = 0
     while time.monotonic() < until:
         request = pb.DecodeRequest(request_id=f"c{index}-{n}", prompt_text=f"caller {index} asks {n}",
@@ -61,7 +61,7 @@ async def caller(stub: engine_pb2_grpc.EngineServiceStub, index: int, until: flo
             tally.lost.append(f"{request.request_id}: {got.short()} after {len(got.tokens)} tokens")
 
 
-async def watch(address: str, pid: int, until: float, tally: Tally) -> None:
+async def watch(address: str, pid: int, until: float, tally: StormTally) -> None:
     async with grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
         health = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < until:
@@ -77,8 +77,8 @@ async def watch(address: str, pid: int, until: float, tally: Tally) -> None:
             await asyncio.sleep(0.1)
 
 
-async def storm(address: str, pid: int, callers: int, seconds: float) -> Tally:
-    tally = Tally()
+async def storm(address: str, pid: int, callers: int, seconds: float) -> StormTally:
+    tally = StormTally()
     until = time.monotonic() + seconds
     channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(-(-callers // CALLERS_PER_CHANNEL))]
@@ -92,7 +92,7 @@ async def storm(address: str, pid: int, callers: int, seconds: float) -> Tally:
     return tally
 
 
-def run(quick: bool) -> Row:
+def run(quick: bool) -> DrillRow:
     capacity, seconds = (8, 5.0) if quick else (25, 30.0)
     callers = 10 * capacity
     checks = Checks()

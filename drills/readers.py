@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from drills.common import Answer, EngineProcess, answer_of, collect, note
-from drills.row import Checks, Row
+from drills.common import CallResult, EngineProcess, answer_of, collect, note
+from drills.row import Checks, DrillRow
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 
@@ -39,7 +39,7 @@ STEADY_PROMPTS = ("steady reader one", "steady reader two")
 @dataclass(frozen=True)
 class Timed:
     started: float
-    answer: Answer
+    answer: CallResult
     tpot_client: float  # (E2EL - TTFT) / (tokens - 1), as the client saw it
     tpot_engine: float  # the same from the engine's own timing (excludes this process's scheduling)
 
@@ -61,11 +61,11 @@ def timed_decode(stub: engine_pb2_grpc.EngineServiceStub, prompt: str) -> Timed:
         return Timed(sent, answer_of(err, tokens), 0.0, 0.0)
     n = max(len(tokens) - 1, 1)
     t = final.timing
-    return Timed(sent, Answer("OK", tokens=tuple(tokens)), (last - first) / n,
+    return Timed(sent, CallResult("OK", tokens=tuple(tokens)), (last - first) / n,
                  (t.total_seconds - t.time_to_first_token_seconds) / n)
 
 
-class Steady(threading.Thread):
+class SteadyReader(threading.Thread):
     """Greedy requests one after another until stopped, each compared with the baseline tokens."""
 
     def __init__(self, address: str, prompt: str, baseline: tuple[int, ...] | None) -> None:
@@ -86,8 +86,8 @@ class Steady(threading.Thread):
 
 
 def steady_phase(address: str, seconds: float, baselines: dict[str, tuple[int, ...] | None],
-                 during: threading.Event | None = None) -> list[Steady]:
-    threads = [Steady(address, p, baselines.get(p)) for p in STEADY_PROMPTS]
+                 during: threading.Event | None = None) -> list[SteadyReader]:
+    threads = [SteadyReader(address, p, baselines.get(p)) for p in STEADY_PROMPTS]
     for t in threads:
         t.start()
     if during is not None:
@@ -134,13 +134,13 @@ async def vanish(address: str, seconds: float, concurrency: int) -> tuple[int, l
     return cancelled, odd
 
 
-def median_tpot(threads: list[Steady], engine_side: bool = False, started_before: float = float("inf")) -> float:
+def median_tpot(threads: list[SteadyReader], engine_side: bool = False, started_before: float = float("inf")) -> float:
     values = [r.tpot_engine if engine_side else r.tpot_client for t in threads for r in t.results
               if r.answer.ok and r.started < started_before]
     return statistics.median(values) if values else float("nan")
 
 
-def run(quick: bool) -> Row:
+def run(quick: bool) -> DrillRow:
     stalled_n, storm_s = (2, 4.0) if quick else (8, 15.0)
     checks = Checks()
     # float32: the steady streams' greedy tokens must not depend on the batch around them, which in

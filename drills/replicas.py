@@ -23,7 +23,7 @@ from bench_client.server_process import free_port
 from drills.common import ROOT, EngineProcess, note
 from drills.crash import recorded_lines
 from drills.grid import Grid
-from drills.row import Checks, Row
+from drills.row import Checks, DrillRow
 from drills.sweep_audit import audit_completed_sweep, read_jsonl
 
 NAME = "replicas"
@@ -56,7 +56,7 @@ def wait_points(out: Path, count: int, sweep: subprocess.Popen[bytes], timeout: 
     return True
 
 
-def run(quick: bool) -> Row:
+def run(quick: bool) -> DrillRow:
     # paced points of about 3 s (quick) / 4 s: about 18 s / 80 s of sweep around two restarts of ~3 s
     grid, rate = ((Grid([8, 16, 24, 32, 40, 48], [3], 400, 12), 4.0) if quick
                   else (Grid([8, 16, 32, 48, 64, 96, 128, 160, 192, 256], [3, 6], 600, 24), 6.0))

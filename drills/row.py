@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
-class Row:
+class DrillRow:
     drill: str
     done: str  # what the drill did
     expected: str  # what the contract says must happen
@@ -29,14 +29,14 @@ class Checks:
         return condition
 
     def row(self, drill: str, done: str, expected: str, lost: int, figures: dict[str, object],
-            happened: str = "as expected") -> Row:
+            happened: str = "as expected") -> DrillRow:
         if lost:
             self.failures.append(f"{lost} lost")
         if self.failures:
             shown = "; ".join(self.failures[:4])
             more = len(self.failures) - 4
             happened = shown + (f"; and {more} more" if more > 0 else "")
-        return Row(drill, done, expected, happened, lost, not self.failures, figures)
+        return DrillRow(drill, done, expected, happened, lost, not self.failures, figures)
 
 
 def _cell(text: object) -> str:
@@ -47,7 +47,7 @@ def _figures(figures: dict[str, object]) -> str:
     return ", ".join(f"{k} {v}" for k, v in figures.items())
 
 
-def markdown_table(rows: Iterable[Row]) -> str:
+def markdown_table(rows: Iterable[DrillRow]) -> str:
     lines = ["| drill | what was done | expected | what happened | lost | result | key figures |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

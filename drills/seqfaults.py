@@ -10,8 +10,8 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from drills.common import Answer, EngineProcess, collect, note
-from drills.row import Checks, Row
+from drills.common import CallResult, EngineProcess, collect, note
+from drills.row import Checks, DrillRow
 from engine.v1 import engine_pb2 as pb
 from engine_service.faults import FaultPlan
 
@@ -44,10 +44,10 @@ def grid(quick: bool) -> list[Case]:
     return cases
 
 
-def run_cases(engine: EngineProcess, cases: list[Case]) -> dict[str, Answer]:
+def run_cases(engine: EngineProcess, cases: list[Case]) -> dict[str, CallResult]:
     """Each cell's requests at that cell's concurrency, cell after cell."""
     stub = engine.stub()
-    answers: dict[str, Answer] = {}
+    answers: dict[str, CallResult] = {}
     for concurrency in sorted({c.concurrency for c in cases}):
         for length in sorted({len(c.prompt) for c in cases}):
             cell = [c for c in cases if c.concurrency == concurrency and len(c.prompt) == length]
@@ -58,7 +58,7 @@ def run_cases(engine: EngineProcess, cases: list[Case]) -> dict[str, Answer]:
     return answers
 
 
-def run(quick: bool) -> Row:
+def run(quick: bool) -> DrillRow:
     cases = grid(quick)
     plan = FaultPlan.parse([FAULT])
     doomed = {c.request_id for c in cases if plan.dooms(c.request_id)}
