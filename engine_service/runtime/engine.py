@@ -1,6 +1,6 @@
 """The async front of the engine: submit a parsed request, stream its tokens back.
 
-Bridges the event loop and the decode loop thread: the loop thread hands each step's emissions
+Bridges the event loop and the decode loop thread: the loop thread hands each step's deltas
 over with one `call_soon_threadsafe`; each request's TokenStream joins the deltas that arrived
 since its reader last looked into one (runtime/delta.py).
 """
@@ -125,7 +125,7 @@ LoopWiring = Callable[[Deliver, FatalCallback], DecodeLoop]
 class Engine:
     """A model served: built whole by `build_engine` (build.py), never half. A constructed Engine
     runs: its decode loop thread and its stall watch start here (on the running event loop, which
-    the loop thread hands its emissions to), and `stop()` ends them."""
+    the loop thread hands its deltas to), and `stop()` ends them."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel, info: EngineInfo, limits: Limits,
                  decode_loop: LoopWiring) -> None:
