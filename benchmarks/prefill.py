@@ -125,7 +125,7 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _tree_cpu_s() -> float:
+def tree_cpu_s() -> float:
     """CPU seconds of this process and its live descendants (the engine): what counts as ours
     when the engine is measured."""
     total, todo = time.process_time(), _children(os.getpid())
@@ -194,7 +194,7 @@ async def measure_engine(engine_args: str, lengths: Sequence[int], repetitions: 
             step = f"warm-up request of {n} tokens to the engine with --engine-args {engine_args!r}"
             await _ttft(client, prompts[0], f"prefill-{number}-{n}-warmup")
             step = f"timed requests of {n} tokens to the engine with --engine-args {engine_args!r}"
-            with OthersBusy(f"the engine's prefill of {n} tokens (--engine-args {engine_args!r})", _tree_cpu_s,
+            with OthersBusy(f"the engine's prefill of {n} tokens (--engine-args {engine_args!r})", tree_cpu_s,
                             _log) as busy:
                 times = [await _ttft(client, ids, f"prefill-{number}-{n}-{i}") for i, ids in enumerate(prompts[1:])]
             best = min(times)
