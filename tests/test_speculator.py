@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from engine_service.faults import FaultInjector, FaultPlan
+from engine_service.generation.controls import Controls
+from engine_service.generation.output_text import OutputText
 from engine_service.generation.sampler import new_generator
 from engine_service.generation.speculative import SpeculativeConfig, verify
 from engine_service.requests import Request, SamplingParams
@@ -69,8 +71,15 @@ def request(request_id: str, first: int, max_new: int, stop: frozenset[int] = fr
                    stop_token_ids=stop, ignore_eos=True, deadline=None)
 
 
-def run(requests: list[Request], speculator: Speculator | None,
-        max_batch: int = 8) -> tuple[dict[str, list[int]], list[Delta], SpeculatingRunner, list[Sequence]]:
+class LetterDecoder:
+    """A stream decoder giving token i the letter chr(97 + i)."""
+
+    def step(self, ids: tuple[int, ...]) -> str:
+        return "".join(chr(97 + i) for i in ids)
+
+
+def run(requests: list[Request], speculator: Speculator | None, max_batch: int = 8,
+        text: bool = False) -> tuple[dict[str, list[int]], list[Delta], SpeculatingRunner, list[Sequence]]:
     runner = SpeculatingRunner()
     scheduler = Scheduler(max_batch=max_batch, max_context=256, queue_capacity=16, queue_retry_seconds=0.5,
                           prefill_token_budget=1024)
@@ -81,7 +90,8 @@ def run(requests: list[Request], speculator: Speculator | None,
 
     loop = DecodeLoop(runner, scheduler, FaultInjector(FaultPlan()), frozenset({15}), delivered.append,  # type: ignore[arg-type]
                       on_fatal=fatal, speculator=speculator)
-    seqs = [Sequence(r, sink=None) for r in requests]
+    seqs = [Sequence(r, sink=None, controls=Controls(r, OutputText(LetterDecoder()) if text else None))
+            for r in requests]
     for s in seqs:
         scheduler.submit(s)
     for _ in range(200):
@@ -272,3 +282,11 @@ def test_a_speculating_step_does_not_feed_the_prefill_budget() -> None:
     loop.step()  # a verify step
     assert runner.drafts_seen[0] is None and runner.drafts_seen[1] is not None
     assert budget.observed == [(0, 12)]
+
+
+def test_a_verified_drafts_text_is_every_accepted_tokens_text_in_order() -> None:
+    tokens, emissions, _, seqs = run([request("a", 0, 24)], Speculator(SpeculativeConfig(num_tokens=4)), text=True)
+    assert any(len(e.tokens) > 1 for e in emissions)  # drafts were accepted: several tokens a step
+    for e in emissions:
+        assert e.text == "".join(chr(97 + t) for t in e.tokens)
+    assert "".join(e.text for e in emissions) == "".join(chr(97 + t) for t in tokens["a"])
