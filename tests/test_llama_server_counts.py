@@ -3,7 +3,8 @@ lengths by the model's own tokenizer, output tokens from the server's usage, and
 for a pooled keep-alive connection the server had closed.
 
 The two reproducers of issue 26, as a new user met them, in one point of one llama-server
-(200-token prompts, 16 new tokens, concurrency 8):
+(16 new tokens, concurrency 8; 100-token prompts where the user's were 200: the same exact-length
+text through both tokenizers, at half the prefill):
 - llama-server's events may carry more than one token, and a point recorded 56 output tokens where
   the server generated 64. Now every count is the server's usage, whatever this run's events
   carried (a fake server that always packs tokens: tests/test_bench_workload.py).
@@ -49,7 +50,7 @@ drain_timeout_s = 10.0
 
 def test_counts_from_usage_exact_text_prompts_and_no_retry_for_closed_connections(tmp_path: Path) -> None:
     require_llama_server()
-    config = _config(tmp_path / "sweep.toml", slots=8, ctx=8192, context=200, new=16, concurrency="[8]",
+    config = _config(tmp_path / "sweep.toml", slots=8, ctx=8192, context=100, new=16, concurrency="[8]",
                      requests=8)
     done = run_cli("sweep", str(config), "--out", str(tmp_path / "out"), "--detail", timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -61,7 +62,7 @@ def test_counts_from_usage_exact_text_prompts_and_no_retry_for_closed_connection
         assert m["total_output_tokens"] == 8 * 16, m  # the server's usage, whatever the events carried
         assert m["output_token_source"] == {"usage": 8}, m
         # llama.cpp's own tokenizer counts the text as the client's (the GGUF's, through tokenizers) did
-        assert m["total_input_tokens"] == 8 * 200, m
+        assert m["total_input_tokens"] == 8 * 100, m
         assert (record["prompt_format"], record["tokenizer"].split(" ")[0]) == ("text", "smollm2"), record
         # a dead pooled connection is sent again on a fresh one: never a retry
         assert record["requests"]["retries"] == 0, record["requests"]
