@@ -4,6 +4,9 @@ layers), and an engine serving int8 over gRPC."""
 
 from __future__ import annotations
 
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 import pytest
 import torch
@@ -35,11 +38,12 @@ AGREEMENT = {"int8": (0.9, 3.0), "int4": (0.93, 2.0)}  # method -> (top-1 at lea
 
 @pytest.fixture(scope="module")
 def smollm2():  # type: ignore[no-untyped-def]
+    """The model, TEXT's ids and the unquantized model's logits over them (the methods' one reference)."""
     loaded = load_model("smollm2", CPU, torch.bfloat16)
     ids = loaded.tokenizer.encode(TEXT)
     loaded.model.pack_projections()
     loaded.model.setup_rope(len(ids), CPU)
-    return loaded, ids
+    return loaded, ids, _text_logits(loaded.model, ids)
 
 
 def _text_logits(model, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -80,8 +84,8 @@ def test_small_calls_take_the_int8_path_and_large_ones_the_original_weights() ->
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_logits_agree_with_the_unquantized_model_on_english_text(smollm2, method: str) -> None:  # type: ignore[no-untyped-def]
-    loaded, ids = smollm2
-    reference = _text_logits(loaded.model, ids)
+    loaded, ids, reference = smollm2
+    assert all(packed.quantized is None for packed in loaded.model.projections())  # the reference's model
     quantize_model(loaded.model.projections(), method, max_rows=len(ids))  # every row quantized, to score the whole text at once
     try:
         quantized = _text_logits(loaded.model, ids)
@@ -123,23 +127,30 @@ def test_an_engine_serves_the_quantized_models_greedy_tokens() -> None:
     batch-1 decode steps take the quantized path; the 6-row prefill takes it with int4 only), and
     int8's are not the unquantized model's."""
     prompt = [37, 235, 140, 72, 255, 137]  # one whose greedy tokens int8 changes (most do not on this model)
-    expected = {}
-    for method in ("none", "int8", "int4"):
-        model = load_model("tiny", CPU, torch.bfloat16).model
-        model.pack_projections()
-        model.setup_rope(64, CPU)
-        if method != "none":
-            quantize_model(model.projections(), method)
-        expected[method] = engine_greedy(model, [prompt], 24, CPU)[0]
-    assert expected["int8"] != expected["none"]
-    for method, tokens in expected.items():
-        # the unquantized engine decodes eagerly, the quantized ones through traces: both paths over the wire
-        trace = "--no-trace-decode" if method == "none" else "--trace-decode"
-        with EngineProcess("--model", "tiny", "--dtype", "bfloat16", "--max-context", "64", "--quantize", method,
-                           trace) as engine, \
-                grpc.insecure_channel(engine.address) as channel:
-            stub = engine_pb2_grpc.EngineServiceStub(channel)
-            request = pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_new_tokens=24, ignore_eos=True)
-            assert [i for m in stub.Decode(request, timeout=60) for i in m.token_ids] == tokens, method
+    methods = ("none", "int8", "int4")
+    # the unquantized engine decodes eagerly, the quantized ones through traces: both paths over the wire
+    engines = {method: EngineProcess("--model", "tiny", "--dtype", "bfloat16", "--max-context", "64", "--quantize",
+                                     method, "--no-trace-decode" if method == "none" else "--trace-decode")
+               for method in methods}
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(engines)) as pool:
+        for engine in engines.values():
+            stack.callback(engine.kill)
+        starting = {method: pool.submit(engine.start) for method, engine in engines.items()}  # while we compute
+        expected = {}
+        for method in methods:
+            model = load_model("tiny", CPU, torch.bfloat16).model
+            model.pack_projections()
+            model.setup_rope(64, CPU)
+            if method != "none":
+                quantize_model(model.projections(), method)
+            expected[method] = engine_greedy(model, [prompt], 24, CPU)[0]
+        assert expected["int8"] != expected["none"]
+        for method, tokens in expected.items():
+            engine = starting[method].result()
+            with grpc.insecure_channel(engine.address) as channel:
+                stub = engine_pb2_grpc.EngineServiceStub(channel)
+                request = pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_new_tokens=24,
+                                           ignore_eos=True)
+                assert [i for m in stub.Decode(request, timeout=60) for i in m.token_ids] == tokens, method
             ready = engine.events_named("engine_ready")
             assert ready and ready[0]["quantize"] == method and ready[0]["trace_decode"] == (method != "none")
