@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shlex
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,10 +169,20 @@ async def _ttft(client: ServerClient, ids: tuple[int, ...], request_id: str) -> 
     return first - started
 
 
-async def measure_engine(engine_args: str, lengths: Sequence[int], repetitions: int, seed: int,
-                         log_dir: Path, number: int) -> EngineFigures:
-    """Start one engine, time its prefill for each length, stop it."""
-    label = engine_args or "(defaults)"
+class EngineRun:
+    """One engine started for a benchmark (`started_engine`): its client, its GetServerInfo, and
+    `step`, what the benchmark is doing with it now, named in the error if that fails."""
+
+    def __init__(self, engine: ManagedEngine, client: EngineClient, info: ServerInfo, step: str) -> None:
+        self.engine, self.client, self.info, self.step = engine, client, info, step
+
+
+@contextlib.asynccontextmanager
+async def started_engine(engine_args: str, log_dir: Path, number: int, error: type[Exception],
+                         log: Callable[[str], None] = _log) -> AsyncIterator[EngineRun]:
+    """The engine of `engine_args` (engine_command) started, asked GetServerInfo, and stopped after;
+    its log in log_dir/engine-NUMBER.log. A failed start, or an EngineError while it runs, raises
+    `error` naming the step, with the log's tail."""
     launch = EngineLaunchConfig(command=tuple(engine_command(engine_args)), startup_timeout_s=STARTUP_TIMEOUT_S,
                                 max_restarts=0)
     log_path = log_dir / f"engine-{number}.log"
@@ -179,41 +190,52 @@ async def measure_engine(engine_args: str, lengths: Sequence[int], repetitions: 
     client: EngineClient | None = None
     step = f"start of the engine with --engine-args {engine_args!r}"
     try:
-        _log(f"{step}: {' '.join(launch.command)}")
+        log(f"{step}: {' '.join(launch.command)}")
         try:
             await engine.start()
         except EngineStartError as e:
-            raise PrefillError(f"{step} failed: {e}") from e
+            raise error(f"{step} failed: {e}") from e
         client = EngineClient(engine.target)
         step = f"GetServerInfo of the engine with --engine-args {engine_args!r} at {engine.target}"
-        info = await client.server_info()
-        tok_s, ttft_s, others = {}, {}, {}
-        for n in lengths:
-            prompts = [make_prompt(seed=seed, length=n, index=i, vocab_size=info.vocab_size,
-                                   avoid=(info.eos_token_id, info.bos_token_id)) for i in range(1 + repetitions)]
-            step = f"warm-up request of {n} tokens to the engine with --engine-args {engine_args!r}"
-            await _ttft(client, prompts[0], f"prefill-{number}-{n}-warmup")
-            step = f"timed requests of {n} tokens to the engine with --engine-args {engine_args!r}"
-            with OthersBusy(f"the engine's prefill of {n} tokens (--engine-args {engine_args!r})", tree_cpu_s,
-                            _log) as busy:
-                times = [await _ttft(client, ids, f"prefill-{number}-{n}-{i}") for i, ids in enumerate(prompts[1:])]
-            best = min(times)
-            if best <= 0:
-                raise PrefillError(f"{step}: a TTFT of {best!r} s")
-            ttft_s[n], tok_s[n], others[n] = best, n / best, busy.cores
-            _log(f"engine {label}: {n} tokens, TTFTs {', '.join(f'{t * 1e3:.0f}' for t in times)} ms "
-                 f"-> {n / best:.1f} tok/s")
-        return EngineFigures(engine_args=engine_args, command=engine.command, info=info, tok_s=tok_s, ttft_s=ttft_s,
-                             others_busy_cores=others)
+        run = EngineRun(engine, client, await client.server_info(), step)
+        try:
+            yield run
+        finally:
+            step = run.step
     except EngineError as e:
-        raise PrefillError(f"{step} failed: {type(e).__name__}: {e}\n--- engine log tail ({log_path}) ---\n"
-                           + "\n".join(tail(log_path, 20))) from e
+        raise error(f"{step} failed: {type(e).__name__}: {e}\n--- engine log tail ({log_path}) ---\n"
+                    + "\n".join(tail(log_path, 20))) from e
     finally:
         if client is not None:
             await client.close()
         if engine.command:  # spawned: drain it (a no-op when it already exited)
             await engine.stop()
         await engine.close()
+
+
+async def measure_engine(engine_args: str, lengths: Sequence[int], repetitions: int, seed: int,
+                         log_dir: Path, number: int) -> EngineFigures:
+    """Start one engine, time its prefill for each length, stop it."""
+    label = engine_args or "(defaults)"
+    async with started_engine(engine_args, log_dir, number, PrefillError) as run:
+        tok_s, ttft_s, others = {}, {}, {}
+        for n in lengths:
+            prompts = [make_prompt(seed=seed, length=n, index=i, vocab_size=run.info.vocab_size,
+                                   avoid=(run.info.eos_token_id, run.info.bos_token_id)) for i in range(1 + repetitions)]
+            run.step = f"warm-up request of {n} tokens to the engine with --engine-args {engine_args!r}"
+            await _ttft(run.client, prompts[0], f"prefill-{number}-{n}-warmup")
+            run.step = f"timed requests of {n} tokens to the engine with --engine-args {engine_args!r}"
+            with OthersBusy(f"the engine's prefill of {n} tokens (--engine-args {engine_args!r})", tree_cpu_s,
+                            _log) as busy:
+                times = [await _ttft(run.client, ids, f"prefill-{number}-{n}-{i}") for i, ids in enumerate(prompts[1:])]
+            best = min(times)
+            if best <= 0:
+                raise PrefillError(f"{run.step}: a TTFT of {best!r} s")
+            ttft_s[n], tok_s[n], others[n] = best, n / best, busy.cores
+            _log(f"engine {label}: {n} tokens, TTFTs {', '.join(f'{t * 1e3:.0f}' for t in times)} ms "
+                 f"-> {n / best:.1f} tok/s")
+        return EngineFigures(engine_args=engine_args, command=run.engine.command, info=run.info, tok_s=tok_s,
+                             ttft_s=ttft_s, others_busy_cores=others)
 
 
 def measure_llamacpp(lengths: Sequence[int], threads: int, cache: Path | None) -> dict[str, PrefillResult]:

@@ -64,10 +64,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from llamacpp import CONTENDED, NEW, PROMPT, OthersBusy  # benchmarks/llamacpp.py: the compare workload
-from prefill import REQUEST_TIMEOUT_S, STARTUP_TIMEOUT_S, PrefillError, cpu_name, engine_command, tree_cpu_s
+from prefill import REQUEST_TIMEOUT_S, PrefillError, cpu_name, engine_command, started_engine, tree_cpu_s
 
-from bench_client.config import EngineLaunchConfig
-from bench_client.engine_process import EngineStartError, ManagedEngine, tail
 from bench_client.prompts import make_prompt
 from bench_client.rpc import EngineClient
 from bench_client.server_api import DecodeSpec, ServerInfo
@@ -77,7 +75,6 @@ from engine_service.model.presets import DEFAULT_MODEL
 from engine_service.model.quantize import Int4Weight, Int8Weight
 from engine_service.runtime.build import DTYPES
 from engine_service.runtime.model_runner import ModelRunner
-from shared.errors import EngineError
 from shared.logging import configure_logging
 
 CONTEXT = PROMPT + NEW // 2  # the mean attended length of the compare workload's decode steps
@@ -264,41 +261,19 @@ async def measure_engine(model: str, engine_args: str, repetitions: int, seed: i
                          number: int) -> EngineTpot:
     """Start one engine, time its one-stream decode, stop it."""
     given = shlex.join(["--model", model]) + (f" {engine_args}" if engine_args else "")
-    launch = EngineLaunchConfig(command=tuple(engine_command(given)), startup_timeout_s=STARTUP_TIMEOUT_S,
-                                max_restarts=0)
-    log_path = log_dir / f"engine-{number}.log"
-    engine = ManagedEngine(launch, {}, log_path, on_exit=lambda _exit: None, make_client=EngineClient)
-    client: EngineClient | None = None
-    step = f"start of the engine with --engine-args {engine_args!r}"
-    try:
-        _log(f"{step}: {' '.join(launch.command)}")
-        try:
-            await engine.start()
-        except EngineStartError as e:
-            raise RooflineError(f"{step} failed: {e}") from e
-        client = EngineClient(engine.target)
-        step = f"GetServerInfo of the engine with --engine-args {engine_args!r} at {engine.target}"
-        info = await client.server_info()
+    async with started_engine(given, log_dir, number, RooflineError, _log) as run:
+        info = run.info
         prompts = [make_prompt(seed=seed, length=PROMPT, index=i, vocab_size=info.vocab_size,
                                avoid=(info.eos_token_id, info.bos_token_id)) for i in range(1 + repetitions)]
-        step = f"warm-up request to the engine with --engine-args {engine_args!r}"
-        await _tpot(client, prompts[0], f"roofline-{number}-warmup")
-        step = f"timed requests to the engine with --engine-args {engine_args!r}"
+        run.step = f"warm-up request to the engine with --engine-args {engine_args!r}"
+        await _tpot(run.client, prompts[0], f"roofline-{number}-warmup")
+        run.step = f"timed requests to the engine with --engine-args {engine_args!r}"
         with OthersBusy(f"the engine's one-stream decode (--engine-args {engine_args!r})", tree_cpu_s, _log) as busy:
-            tpots = [await _tpot(client, ids, f"roofline-{number}-{i}") for i, ids in enumerate(prompts[1:])]
+            tpots = [await _tpot(run.client, ids, f"roofline-{number}-{i}") for i, ids in enumerate(prompts[1:])]
         if min(tpots) <= 0:
-            raise RooflineError(f"{step}: a TPOT of {min(tpots)!r} s")
+            raise RooflineError(f"{run.step}: a TPOT of {min(tpots)!r} s")
         _log(f"engine {engine_args or '(defaults)'}: TPOTs {', '.join(f'{t * 1e3:.2f}' for t in tpots)} ms")
-        return EngineTpot(engine_args, engine.command, info, tuple(tpots), busy.cores)
-    except EngineError as e:
-        raise RooflineError(f"{step} failed: {type(e).__name__}: {e}\n--- engine log tail ({log_path}) ---\n"
-                            + "\n".join(tail(log_path, 20))) from e
-    finally:
-        if client is not None:
-            await client.close()
-        if engine.command:  # spawned: drain it (a no-op when it already exited)
-            await engine.stop()
-        await engine.close()
+        return EngineTpot(engine_args, run.engine.command, info, tuple(tpots), busy.cores)
 
 
 def _positive(text: str) -> int:
