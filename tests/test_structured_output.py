@@ -18,8 +18,10 @@ from tests.test_constraint import REGEXES, SCHEMAS
 
 MAX_NEW = 80
 # Schemas whose every prefix can go on for ever (a JSON number's fraction digits): a small model may
-# never end one (as in any engine: the constraint keeps the text valid, not short). Checked as valid so far.
+# never end one (as in any engine: the constraint keeps the text valid, not short). Checked as valid
+# so far, over UNBOUNDED_NEW tokens: SmolLM2 writes 1.000... to the end, however many it is given.
 UNBOUNDED = [{"type": "number", "minimum": 0, "maximum": 1}]
+UNBOUNDED_NEW = 24
 FREE_PROMPT = "Once upon a time, in a small village by the sea,"
 
 
@@ -29,10 +31,11 @@ def smollm2(smollm2_float32):  # type: ignore[no-untyped-def]
     return smollm2_float32
 
 
-def ask(proc: EngineProcess, fmt: pb.ResponseFormat | None, what: str, seed: int | None) -> list[pb.DecodeResponse]:
+def ask(proc: EngineProcess, fmt: pb.ResponseFormat | None, what: str, seed: int | None,
+        max_new: int = MAX_NEW) -> list[pb.DecodeResponse]:
     messages = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content=f"Reply with {what} only.")])
     sampling = pb.SamplingParams(temperature=1.0, top_p=0.95, seed=seed) if seed is not None else None
-    return list(proc.stub().Decode(pb.DecodeRequest(chat=messages, max_new_tokens=MAX_NEW, sampling=sampling,
+    return list(proc.stub().Decode(pb.DecodeRequest(chat=messages, max_new_tokens=max_new, sampling=sampling,
                                                     response_format=fmt), timeout=300))
 
 
@@ -59,13 +62,15 @@ def test_every_answer_matches_its_schema_or_regex_greedy_and_sampled_beside_free
              for i, r in enumerate(REGEXES) for seed in ((None, 7) if i % 2 == 0 else (None,))]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         frees = [pool.submit(free, smollm2) for _ in range(3)]
-        answers = list(pool.map(lambda job: (job, ask(smollm2, job[0], describe(*job[1]), job[2])), jobs))
+        answers = list(pool.map(lambda job: (job, ask(smollm2, job[0], describe(*job[1]), job[2],
+                                                      UNBOUNDED_NEW if job[1][1] in UNBOUNDED else MAX_NEW)), jobs))
         assert all(f.result() == alone for f in frees)  # batched beside constrained rows: unchanged
     for (_, (kind, source), seed), responses in answers:
         text = "".join(r.text for r in responses)
         last = responses[-1]
         if source in UNBOUNDED:  # a number's fraction has no end: SmolLM2 writes 1.000... to max_new_tokens
             assert last.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+            assert last.usage.completion_tokens <= UNBOUNDED_NEW
             assert re.fullmatch(r"(0|1)(\.[0-9]*)?", text), text  # a number in [0, 1] so far
             continue
         assert last.finish_reason == pb.FINISH_REASON_STOP, (source, seed, text)
