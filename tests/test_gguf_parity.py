@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import functools
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import gguf
@@ -79,7 +80,7 @@ def _gguf_parsed_once() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def smollm2_hf():  # type: ignore[no-untyped-def]
+def smollm2_hf(smollm2_engine_starting):  # type: ignore[no-untyped-def]
     with _gguf_parsed_once():
         return hf_gguf_tokenizer(SMOLLM2), hf_gguf_model(SMOLLM2)
 
@@ -160,12 +161,25 @@ def test_smollm2_float32_logits_match_transformers(smollm2_ours: LoadedModel, sm
 
 
 @pytest.fixture(scope="module")
-def smollm2_engine():  # type: ignore[no-untyped-def]
+def smollm2_engine_starting() -> Iterator[Future[EngineProcess]]:
     """The file dequantized into float32, as transformers does (no int4 copies: --quantize auto would
-    serve them); chunks of 16 prompt tokens beside decoding rows, and the prefix cache on."""
-    with EngineProcess("--model", "smollm2", "--dtype", "float32", "--quantize", "none", "--max-batch", "4",
-                       "--max-context", "256", "--max-prefill-tokens", "16", "--prefix-cache-tokens", "128") as proc:
-        yield proc
+    serve them); chunks of 16 prompt tokens beside decoding rows, and the prefix cache on. It starts
+    in the background when transformers' model is first asked for (smollm2_hf), and so loads while
+    transformers loads the file: the tests that use it use that model too."""
+    engine = EngineProcess("--model", "smollm2", "--dtype", "float32", "--quantize", "none", "--max-batch", "4",
+                           "--max-context", "256", "--max-prefill-tokens", "16", "--prefix-cache-tokens", "128")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(engine.start)
+        try:
+            yield starting
+        finally:
+            starting.exception()  # the start has ended (serving, or failed and killed)
+            engine.kill()
+
+
+@pytest.fixture(scope="module")
+def smollm2_engine(smollm2_engine_starting: Future[EngineProcess]) -> EngineProcess:
+    return smollm2_engine_starting.result()
 
 
 def test_smollm2_greedy_over_grpc_matches_transformers(smollm2_hf, smollm2_engine) -> None:  # type: ignore[no-untyped-def]
