@@ -8,19 +8,23 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench_client.server_process import wait_until_serving_blocking
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 from tests.certs import make_certs
 from tests.contract import decode, expect_error, tokens_of
 
 
-def tls_stub(address: str, ca, cert=None, key=None) -> engine_pb2_grpc.EngineServiceStub:  # type: ignore[no-untyped-def]
-    creds = grpc.ssl_channel_credentials(
+def tls_credentials(ca, cert=None, key=None) -> grpc.ChannelCredentials:  # type: ignore[no-untyped-def]
+    return grpc.ssl_channel_credentials(
         root_certificates=ca.read_bytes(),
         private_key=key.read_bytes() if key else None,
         certificate_chain=cert.read_bytes() if cert else None,
     )
-    return engine_pb2_grpc.EngineServiceStub(grpc.secure_channel(address, creds))
+
+
+def tls_stub(address: str, ca, cert=None, key=None) -> engine_pb2_grpc.EngineServiceStub:  # type: ignore[no-untyped-def]
+    return engine_pb2_grpc.EngineServiceStub(grpc.secure_channel(address, tls_credentials(ca, cert, key)))
 
 
 def ok(stub) -> bool:  # type: ignore[no-untyped-def]
@@ -37,7 +41,19 @@ def start_tls(start_engine, certs, mutual: bool):  # type: ignore[no-untyped-def
     if mutual:
         args += ["--tls-client-ca", str(certs.ca)]
     proc = start_engine(*args, wait_serving=False)
-    time.sleep(1.0)  # the test harness polls health in plaintext, which TLS refuses: give it time to load
+    # the test harness polls health in plaintext, which TLS refuses: polled here over TLS (with the
+    # client's certificate, which mutual TLS asks for), until the model has loaded
+    creds = tls_credentials(certs.ca, certs.client_cert, certs.client_key)
+
+    def serving(timeout: float) -> bool:
+        try:
+            with grpc.secure_channel(proc.address, creds) as channel:
+                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
+        except grpc.RpcError:
+            return False
+        return status == health_pb2.HealthCheckResponse.SERVING
+
+    assert wait_until_serving_blocking(proc.proc, serving, 60.0, poll_s=0.05), "the TLS engine never served"
     return proc
 
 
