@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from drills import http_peer, replicas
+from drills import crash, http_peer, replicas
 from drills.__main__ import DRILLS, run_one
 from tests.llama_server import require_llama_server
 
 # The replicas drill's quick form (about 28 s) is left to `make test-slow`: CI's compose drill
 # (python -m drills --quick compose) runs the same audit of a rolling-restart sweep
-# (drills.replicas.audit_rolling_sweep) over three replicas under a real Docker daemon.
-SLOW = {replicas.NAME}
+# (drills.replicas.audit_rolling_sweep) over three replicas under a real Docker daemon. The crash
+# drill's quick form (21-26 s) too: tests/test_bench_cli_drills.py runs its cases end to end one by
+# one (an engine crash stops the sweep resumably, kill -9 of the client then resume gives every
+# point once, a managed engine restarted after a crash), and the compose drill kills a replica
+# under a sweep and audits that nothing was lost.
+SLOW = {replicas.NAME, crash.NAME}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in DRILLS])
