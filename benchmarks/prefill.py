@@ -254,7 +254,7 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError as e:
@@ -303,9 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                          "configuration; may be given several times (default: one, with none: the defaults)")
     ap.add_argument("--lengths", type=_lengths, default=list(LENGTHS),
                     help=f"prompt lengths, comma-separated (default: {','.join(map(str, LENGTHS))})")
-    ap.add_argument("--repetitions", type=_positive, default=REPETITIONS,
+    ap.add_argument("--repetitions", type=positive_int, default=REPETITIONS,
                     help=f"timed engine requests per length, the best kept (default: {REPETITIONS})")
-    ap.add_argument("--threads", type=_positive, default=torch.get_num_threads(),
+    ap.add_argument("--threads", type=positive_int, default=torch.get_num_threads(),
                     help="llama-bench's threads (default: torch's default here, "
                          f"{torch.get_num_threads()}, what the engine's --threads 0 uses)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids (default: 0)")

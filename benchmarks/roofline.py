@@ -64,7 +64,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 from llamacpp import CONTENDED, NEW, PROMPT, OthersBusy  # benchmarks/llamacpp.py: the compare workload
-from prefill import REQUEST_TIMEOUT_S, PrefillError, cpu_name, engine_command, started_engine, tree_cpu_s
+from prefill import (
+    REQUEST_TIMEOUT_S,
+    PrefillError,
+    cpu_name,
+    engine_command,
+    positive_int,
+    started_engine,
+    tree_cpu_s,
+)
 
 from bench_client.prompts import make_prompt
 from bench_client.rpc import EngineClient
@@ -276,16 +284,6 @@ async def measure_engine(model: str, engine_args: str, repetitions: int, seed: i
         return EngineTpot(engine_args, run.engine.command, info, tuple(tpots), busy.cores)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"a positive int expected, got {text!r}") from e
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a positive int expected, got {text!r}")
-    return value
-
-
 def _mb(n: int) -> str:
     return f"{n / 1e6:.3f} MB" if n < 10e6 else f"{n / 1e6:.1f} MB"
 
@@ -339,13 +337,13 @@ def main(argv: list[str] | None = None) -> int:
                                         "--engine-args=VALUE form.")
     ap.add_argument("--model", default=DEFAULT_MODEL,
                     help=f"the model served (--model of the engine) and counted here (default: {DEFAULT_MODEL})")
-    ap.add_argument("--context", type=_positive, default=CONTEXT,
+    ap.add_argument("--context", type=positive_int, default=CONTEXT,
                     help=f"tokens of KV cache a step attends to, for the floor's bytes (default: {PROMPT}+{NEW // 2}"
                          f" = {CONTEXT}, the mean of the {PROMPT}-token prompt, {NEW} new tokens workload)")
     ap.add_argument("--engine-args", action="append", default=None, metavar="ARGS",
                     help="arguments added to `python -m engine_service --port 0 --metrics-port 0 --model MODEL`, "
                          "one engine configuration; may be given several times (default: one, with none)")
-    ap.add_argument("--repetitions", type=_positive, default=REPETITIONS,
+    ap.add_argument("--repetitions", type=positive_int, default=REPETITIONS,
                     help=f"timed requests per engine, the median kept (default: {REPETITIONS})")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids (default: 0)")
     args = ap.parse_args(argv)
