@@ -254,6 +254,19 @@ def _lengths(text: str) -> list[int]:
     return lengths
 
 
+def engine_configurations(ap: argparse.ArgumentParser, given: list[str] | None) -> list[str]:
+    """The --engine-args values (one with none when none was given), each checked to split as a
+    shell would (ap.error otherwise); ManagedEngine's logging set to warnings."""
+    configurations = given if given is not None else [""]
+    configure_logging("warning", json=False)  # ManagedEngine's info events stay quiet; its warnings show
+    for engine_args in configurations:
+        try:
+            engine_command(engine_args)
+        except PrefillError as e:
+            ap.error(str(e))
+    return configurations
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -312,13 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, default=None,
                     help="llama.cpp's cache (default: $LLAMACPP_CACHE or " + str(llamacpp.default_cache()) + ")")
     args = ap.parse_args(argv)
-    configurations = args.engine_args if args.engine_args is not None else [""]
-    configure_logging("warning", json=False)  # ManagedEngine's info events stay quiet; its warnings show
-    for engine_args in configurations:
-        try:
-            engine_command(engine_args)
-        except PrefillError as e:
-            ap.error(str(e))
+    configurations = engine_configurations(ap, args.engine_args)
 
     try:
         peers = measure_llamacpp(args.lengths, args.threads, args.cache)

@@ -66,9 +66,8 @@ import torch
 from llamacpp import CONTENDED, NEW, PROMPT, OthersBusy  # benchmarks/llamacpp.py: the compare workload
 from prefill import (
     REQUEST_TIMEOUT_S,
-    PrefillError,
     cpu_name,
-    engine_command,
+    engine_configurations,
     positive_int,
     started_engine,
     tree_cpu_s,
@@ -83,7 +82,6 @@ from engine_service.model.presets import DEFAULT_MODEL
 from engine_service.model.quantize import Int4Weight, Int8Weight
 from engine_service.runtime.build import DTYPES
 from engine_service.runtime.model_runner import ModelRunner
-from shared.logging import configure_logging
 
 CONTEXT = PROMPT + NEW // 2  # the mean attended length of the compare workload's decode steps
 REPETITIONS = 3
@@ -347,13 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"timed requests per engine, the median kept (default: {REPETITIONS})")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids (default: 0)")
     args = ap.parse_args(argv)
-    configurations = args.engine_args if args.engine_args is not None else [""]
-    configure_logging("warning", json=False)  # ManagedEngine's info events stay quiet; its warnings show
-    for engine_args in configurations:
-        try:
-            engine_command(engine_args)
-        except PrefillError as e:
-            ap.error(str(e))
+    configurations = engine_configurations(ap, args.engine_args)
 
     log_dir = Path(tempfile.mkdtemp(prefix="roofline-"))
     rows: list[tuple[EngineTpot, StepBytes]] = []
