@@ -76,10 +76,12 @@ from prefill import (
 from bench_client.prompts import make_prompt
 from bench_client.rpc import EngineClient
 from bench_client.server_api import DecodeSpec, ServerInfo
+from engine_service.machine.cpu import detect
+from engine_service.machine.precision import choose_dynamic_head
 from engine_service.model.llama import LlamaForCausalLM, Packed, RMSNorm
 from engine_service.model.loader import load_model
 from engine_service.model.presets import DEFAULT_MODEL
-from engine_service.model.quantize import Int4Weight, Int8Weight
+from engine_service.model.quantize import DynamicInt8Weight, Int4Weight, Int8Weight
 from engine_service.runtime.build import DTYPES
 from engine_service.runtime.model_runner import ModelRunner
 
@@ -156,18 +158,23 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _projection_read(packed: Packed) -> tuple[list[torch.Tensor], str]:
-    """The tensors a one-row call of `packed` reads, and how they are held. `Packed.forward` takes
-    its quantized copy when x.numel() <= max_rows * K, i.e. at one row whenever max_rows >= 1."""
+def _projection_read(packed: Packed) -> tuple[list[torch.Tensor], int, str]:
+    """The tensors a one-row call of `packed` reads, their bytes, and how they are held.
+    `Packed.forward` takes its quantized copy when x.numel() <= max_rows * K, i.e. at one row
+    whenever max_rows >= 1. fbgemm's packed int8 copy is no tensor: its bytes are its own count."""
     q = packed.quantized
     bias = [] if packed.bias is None else [packed.bias]
     if isinstance(q, Int4Weight) and q.max_rows >= 1:
-        return [q.packed, q.scales_and_zeros, *bias], f"int4 + {_dtype(q.scales_and_zeros)} scales/offsets"
+        tensors = [q.packed, q.scales_and_zeros, *bias]
+        return tensors, _nbytes(tensors), f"int4 + {_dtype(q.scales_and_zeros)} scales/offsets"
     if isinstance(q, Int8Weight) and q.max_rows >= 1:
-        return [q.weight, q.scales, *bias], f"int8 + {_dtype(q.scales)} scales"
+        tensors = [q.weight, q.scales, *bias]
+        return tensors, _nbytes(tensors), f"int8 + {_dtype(q.scales)} scales"
+    if isinstance(q, DynamicInt8Weight) and q.max_rows >= 1:
+        return bias, q.nbytes + _nbytes(bias), "int8 + float32 scales, 8-bit activations (fbgemm)"
     if packed.weight is None:
         raise RooflineError("a projection has no packed weight: count after ModelRunner (pack_projections) built it")
-    return [packed.weight, *bias], _dtype(packed.weight)
+    return [packed.weight, *bias], _nbytes([packed.weight, *bias]), _dtype(packed.weight)
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -181,13 +188,13 @@ def decode_step_bytes(model: LlamaForCausalLM, kv_bytes_per_token: int, context:
     if context < 1:
         raise RooflineError(f"context must be >= 1 token, got {context!r}")
     *layers, head = model.projections()
-    layer_tensors: list[torch.Tensor] = []
+    layer_bytes = 0
     held: set[str] = set()
     for packed in layers:
-        tensors, how = _projection_read(packed)
-        layer_tensors += tensors
+        _, nbytes, how = _projection_read(packed)
+        layer_bytes += nbytes
         held.add(how)
-    head_tensors, head_how = _projection_read(head)
+    head_tensors, head_bytes, head_how = _projection_read(head)
     norms = [m.weight for m in model.modules() if isinstance(m, RMSNorm)]
     embed = model.model.embed_tokens.weight
     # tied and unquantized, the head reads the embedding table whole: the looked-up row is in it
@@ -196,8 +203,8 @@ def decode_step_bytes(model: LlamaForCausalLM, kv_bytes_per_token: int, context:
     n_layers = model.config.num_hidden_layers
     parts = [
         ReadPart(f"layer projections ({n_layers} x q/k/v, o, gate/up, down)", " | ".join(sorted(held)),
-                 _nbytes(layer_tensors)),
-        ReadPart("LM head" + (" (the tied embedding table)" if head_is_table else ""), head_how, _nbytes(head_tensors)),
+                 layer_bytes),
+        ReadPart("LM head" + (" (the tied embedding table)" if head_is_table else ""), head_how, head_bytes),
         ReadPart(f"RMSNorm weights ({len(norms)})", " | ".join(sorted({_dtype(t) for t in norms})), _nbytes(norms)),
         ReadPart("token embedding, 1 row" + (" (inside the LM head's table)" if head_is_table else ""), _dtype(embed),
                  0 if head_is_table else embed.shape[1] * embed.element_size()),
@@ -223,7 +230,9 @@ def count_bytes(model_spec: str, info: ServerInfo, context: int) -> StepBytes:
     if loaded.name != info.model:
         raise RooflineError(f"{step}: the engine serves {info.model!r}, the model here is {loaded.name!r} "
                             f"(a --model inside --engine-args? use --model)")
-    runner = ModelRunner(loaded.model, 1, max(context, 1), device, dtype, info.quantization, trace_decode=False)
+    dynamic_head, _ = choose_dynamic_head(info.quantization, "cpu", detect())  # as the engine chose on this machine
+    runner = ModelRunner(loaded.model, 1, max(context, 1), device, dtype, info.quantization, trace_decode=False,
+                         dynamic_head=dynamic_head)
     return decode_step_bytes(loaded.model, runner.cache.bytes_per_token(), context)
 
 

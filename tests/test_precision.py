@@ -7,7 +7,7 @@ import pytest
 
 from engine_service.config import EngineConfig
 from engine_service.machine.cpu import CpuInfo, detect, parse_cpuinfo
-from engine_service.machine.precision import choose_dtype, choose_quantize
+from engine_service.machine.precision import choose_dtype, choose_dynamic_head, choose_quantize
 from engine_service.model.gguf_checkpoint import weight_format
 from engine_service.model.gguf_reader import read_gguf
 from engine_service.model.presets import PACKAGED
@@ -90,6 +90,33 @@ def test_auto_quantize_serves_the_files_own(fmt: str, method: str) -> None:
     chosen, reason = choose_quantize("auto", "cpu", fmt)
     assert chosen == method
     assert fmt in reason
+
+
+ZEN4 = """processor\t: 0
+model name\t: AMD EPYC
+flags\t\t: fpu avx2 fma avx512f avx512_vnni avx512_bf16
+"""
+
+
+@pytest.mark.parametrize(("text", "quantize", "device", "dynamic"), [
+    (ZEN4, "int4", "cpu", True),
+    (XEON, "int8", "cpu", True),
+    (XEON.replace(" avx512_vnni", ""), "int4", "cpu", True),  # AMX's int8 tiles
+    (XEON.replace(" avx512_vnni", "").replace(" amx_int8", ""), "int4", "cpu", False),
+    (EPYC, "int4", "cpu", False),  # AVX2 alone: fbgemm's 16-bit pair sums could saturate
+    (ZEN4, "none", "cpu", False),  # nothing quantized, the head stays in the model's dtype
+    (ZEN4, "int4", "cuda:0", False),
+])
+def test_the_lm_head_multiplies_8_bit_activations_where_the_cpu_has_int8_dot_products(
+        text: str, quantize: str, device: str, dynamic: bool) -> None:
+    chosen, reason = choose_dynamic_head(quantize, device, cpu(text, "AVX512"))
+    assert chosen is dynamic
+    if quantize == "none" or device != "cpu":
+        assert reason == ""
+    elif dynamic:
+        assert reason == "LM head int8 x 8-bit activations (fbgemm): the CPU has 8-bit dot products (VNNI/AMX)"
+    else:
+        assert reason == "LM head int8 weight-only: the CPU has no VNNI/AMX 8-bit dot products"
 
 
 def test_auto_quantize_is_none_on_cuda_and_explicit_wins() -> None:

@@ -54,6 +54,15 @@ def test_int4_counts_the_packed_copy_and_its_scales_not_the_float_weights() -> N
     assert parts["token embedding"] == HIDDEN * 4  # the float32 table's row: the head reads its int8 copy
 
 
+def test_a_dynamic_int8_head_counts_fbgemms_bytes_and_float32_row_scales() -> None:
+    model = load_model("tiny", CPU, torch.float32).model
+    ModelRunner(model, 1, 16, CPU, torch.float32, "int4", dynamic_head=True)
+    step = roofline.decode_step_bytes(model, 512, CONTEXT)
+    head = next(p for p in step.parts if p.name.startswith("LM head"))
+    assert head.nbytes == VOCAB * HIDDEN + VOCAB * 4
+    assert head.held_as == "int8 + float32 scales, 8-bit activations (fbgemm)"
+
+
 def test_a_tied_unquantized_head_reads_the_embedding_table_whole_and_its_row_is_not_counted_again() -> None:
     model = LlamaForCausalLM(dataclasses.replace(PRESETS["tiny"], tie_word_embeddings=True))
     model.init_random(0)

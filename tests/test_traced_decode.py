@@ -23,13 +23,16 @@ MAX_BATCH, CONTEXT, STEPS = 8, 96, 12
     (torch.float32, "none", 1), (torch.bfloat16, "none", 1),
     (torch.bfloat16, "int8", 2),  # <= 4 rows quantized, above not
     (torch.bfloat16, "int4", 2),  # <= 4 rows all quantized, 5..8 the layers only (the int8 head stops at 4)
+    (torch.bfloat16, "int4-dynamic-head", 1),  # fbgemm's head serves up to 32 rows, the layers 8: one regime
+    (torch.float32, "int4-dynamic-head", 1),
 ])
 def test_traced_steps_equal_eager_steps(dtype: torch.dtype, method: str, regimes: int) -> None:
     model = load_model("tiny", CPU, dtype).model
     model.pack_projections()
     model.setup_rope(CONTEXT, CPU)
     if method != "none":
-        quantize_model(model.projections(), method)
+        quantize_model(model.projections(), method.removesuffix("-dynamic-head"),
+                       dynamic_head=method.endswith("-dynamic-head"))
     cache = KVCache(model.config, MAX_BATCH, CONTEXT, dtype, CPU)
     traced = TracedDecode(model, cache, MAX_BATCH)
     assert traced.regimes == regimes

@@ -39,6 +39,13 @@ class CpuInfo:
         return not self.onednn_max_isa or self.onednn_max_isa.lower() in ONEDNN_BF16_ISAS
 
     @property
+    def int8_dot(self) -> bool:
+        """8-bit integer dot products that accumulate in 32 bits (AVX-512 VNNI, or AMX), which
+        fbgemm's kernels use for 8-bit activations of the full range; without them (plain AVX2)
+        its pairwise 16-bit sums can saturate unless activations are cut to 7 bits."""
+        return bool(self.flags & {"avx512_vnni", "amx_int8"})
+
+    @property
     def amx(self) -> bool:
         return self.native_bf16 and "amx_bf16" in self.flags
 

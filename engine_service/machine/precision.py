@@ -14,6 +14,10 @@ The table, from measurements of SmolLM2-135M with 2 threads (README, "Precision"
   On CUDA, none (the kernels are CPU ones). Prefill and large batches keep the unquantized weights
   in `dtype` (quantize.py).
 
+- the LM head of a quantized model: int8 multiplied with 8-bit activations by fbgemm where the CPU
+  has 8-bit dot products accumulating in 32 bits (VNNI or AMX: cpu.py `int8_dot`), 2.7x faster
+  than int8 weight-only at one row on a Zen 4 (model/quantize.py); elsewhere int8 weight-only.
+
 Every explicit `--dtype` / `--quantize` wins over the table.
 """
 
@@ -59,3 +63,13 @@ def choose_quantize(requested: str, device: str, weight_format: str) -> tuple[st
     if weight_format in INT8_FORMATS:
         return "int8", f"quantize int8: auto, the file's {weight_format} weights served by the int8 kernel for decode"
     return "none", f"quantize none: auto, the weights are {weight_format}"
+
+
+def choose_dynamic_head(quantize: str, device: str, cpu: CpuInfo) -> tuple[bool, str]:
+    """(whether the LM head's int8 copy multiplies 8-bit activations, reason) for a model served
+    with `quantize` on `device`."""
+    if quantize == "none" or not device.startswith("cpu"):
+        return False, ""
+    if cpu.int8_dot:
+        return True, "LM head int8 x 8-bit activations (fbgemm): the CPU has 8-bit dot products (VNNI/AMX)"
+    return False, "LM head int8 weight-only: the CPU has no VNNI/AMX 8-bit dot products"

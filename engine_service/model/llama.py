@@ -80,6 +80,12 @@ class Packed(nn.Module):
         self.bias: torch.Tensor | None = None
         self.quantized: QuantizedWeight | None = None
 
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "quantized":  # a copy that is a module (DynamicInt8Weight) is registered, others not: either replaces either
+            self._modules.pop(name, None)
+            self.__dict__.pop(name, None)
+        super().__setattr__(name, value)
+
     def pack(self) -> None:
         parts = self._parts
         if len(parts) == 1:  # plain tensors sharing the parameters' storage (a Parameter would register here)

@@ -17,7 +17,7 @@ from engine_service.config import EngineConfig
 from engine_service.faults import FaultInjector
 from engine_service.generation.speculative import SpeculativeConfig
 from engine_service.machine.cpu import CpuInfo, detect
-from engine_service.machine.precision import Precision, choose_dtype, choose_quantize
+from engine_service.machine.precision import Precision, choose_dtype, choose_dynamic_head, choose_quantize
 from engine_service.model.loader import LoadedModel, load_model
 from engine_service.requests import Limits
 from engine_service.runtime.engine import Engine, EngineInfo, FatalCallback
@@ -53,10 +53,12 @@ async def build_engine(config: EngineConfig) -> Engine:
     try:
         loaded = await event_loop.run_in_executor(loader, load_model, cfg.model, device, dtype)
         quantize, quantize_reason = choose_quantize(cfg.quantize, cfg.device, loaded.weight_format)
-        precision = Precision(dtype_name, quantize, f"{dtype_reason}; {quantize_reason}")
+        dynamic_head, head_reason = choose_dynamic_head(quantize, cfg.device, cpu)
+        reasons = [dtype_reason, quantize_reason, *([head_reason] if head_reason else [])]
+        precision = Precision(dtype_name, quantize, "; ".join(reasons))
         runner = await event_loop.run_in_executor(
             loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize,
-            cfg.trace_decode)
+            cfg.trace_decode, dynamic_head)
     finally:
         loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
     limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)

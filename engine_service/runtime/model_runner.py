@@ -34,14 +34,15 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, max_batch: int, max_context: int, device: torch.device,
-                 dtype: torch.dtype, quantize: str = "none", trace_decode: bool = False) -> None:
+                 dtype: torch.dtype, quantize: str = "none", trace_decode: bool = False,
+                 dynamic_head: bool = False) -> None:
         self.model = model
         self.device = device
         self.cache = KVCache(model.config, max_batch, max_context, dtype, device)
         model.pack_projections()
         model.setup_rope(max_context, device)
         if quantize != "none":
-            quantize_model(model.projections(), quantize)
+            quantize_model(model.projections(), quantize, dynamic_head=dynamic_head)
         self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = partial(model.decode, cache=self.cache)
         if trace_decode:
             try:
