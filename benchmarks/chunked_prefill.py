@@ -1,7 +1,7 @@
 """Chunked prefill: do running streams keep flowing while a long prompt prefills, and what does the
 long prompt pay for it?
 
-    python benchmarks/chunked_prefill.py [--model smollm2] [--dtype auto] [--budgets auto,96,2048]
+    python benchmarks/chunked_prefill.py [--model smollm2] [--dtype auto] [--quantize auto] [--budgets auto,96,2048]
 
 For each per-step prefill budget (`--max-prefill-tokens`; the first is the engine's default), one
 engine, and in it:
@@ -99,14 +99,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantize", default="auto", help="the engine's --quantize (auto, none, int8, int4)")
     parser.add_argument("--budgets", default="auto,96",
                         help="--max-prefill-tokens values (auto or a count), comma-separated (the first is the reference)")
     args = parser.parse_args()
     budgets = args.budgets.split(",")
     first_alone = None
-    print(f"# {args.model} {args.dtype}: {STEADY} streams ({STEADY_PROMPT}-token prompts) + one {LONG}-token prompt")
+    print(f"# {args.model} dtype {args.dtype}, quantize {args.quantize}: {STEADY} streams ({STEADY_PROMPT}-token prompts) + one {LONG}-token prompt")
     for n, budget in enumerate(budgets):
-        with EngineProcess("--model", args.model, "--dtype", args.dtype, "--max-prefill-tokens", budget,
+        with EngineProcess("--model", args.model, "--dtype", args.dtype, "--quantize", args.quantize,
+                           "--max-prefill-tokens", budget,
                            "--max-context", "2048", "--threads", "0") as proc:
             alone, tpot, gap, loaded = asyncio.run(measure(proc.address, seed=1000 * (n + 1)))
         first_alone = first_alone or alone
