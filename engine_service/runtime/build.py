@@ -76,7 +76,8 @@ async def build_engine(config: EngineConfig) -> Engine:
     engine = Engine(cfg, loaded, info, limits, decode_loop)
     log.info("engine_ready", model=loaded.name, device=str(device), dtype=precision.dtype,
              quantize=precision.quantize, precision_reason=precision.reason, cpu=cpu.describe(),
-             weight_format=loaded.weight_format, trace_decode=cfg.trace_decode, speculative=cfg.speculative,
+             weight_format=loaded.weight_format, trace_decode=cfg.trace_decode, onednn_weights=runner.onednn_weights,
+             speculative=cfg.speculative,
              kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
              max_prefill_tokens=cfg.max_prefill_tokens or "auto", prefix_cache_tokens=cfg.prefix_cache_tokens,
              prefix_cache_bytes=runner.cache.bytes_per_token() * cfg.prefix_cache_tokens,
