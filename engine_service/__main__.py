@@ -2,21 +2,17 @@
 
 The stop signals are taken first, before anything heavy is imported: a SIGTERM or SIGINT that
 arrives while torch imports or the model loads is an empty drain and a clean exit 0, never a
-death by signal. `serve()` hands them to its event loop once that runs.
+death by signal (engine_service/transport/early_stop.py). `serve()` hands them to its event loop
+once that runs, and drains at once if one came before.
 """
 
 from __future__ import annotations
 
-import signal
-
-
-def _stop_before_serving(signum: int, frame: object) -> None:
-    raise SystemExit(0)
+from engine_service.transport import early_stop
 
 
 def main() -> None:
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _stop_before_serving)
+    early_stop.install()
     from engine_service.cli import main as cli_main  # the heavy imports, once the signals are ours
 
     cli_main()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from engine_service.config import EngineConfig, ServerConfig
 from engine_service.runtime.build import build_engine
 from engine_service.runtime.engine import Engine
 from engine_service.runtime.loop import FATAL_EXIT_CODE
+from engine_service.transport import early_stop
 from engine_service.transport.engine_slot import EngineSlot
 from engine_service.transport.metrics import EngineMetrics, disabled_meter, start_metrics_server
 from engine_service.transport.security import BearerTokenInterceptor, server_credentials
@@ -128,8 +128,11 @@ async def _serve(engine_cfg: EngineConfig, slot: EngineSlot, server_cfg: ServerC
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     fatal = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in early_stop.SIGNALS:
         loop.add_signal_handler(sig, stop_requested.set)
+    if early_stop.requested():  # one came before the loop's handlers, and its SystemExit was swallowed
+        log.info("stop_signal_before_serving")
+        stop_requested.set()
 
     async def build_watched() -> Engine:
         engine = await build_engine(engine_cfg)
