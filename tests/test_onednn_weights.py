@@ -36,6 +36,8 @@ def test_a_packed_projection_gives_f_linears_bits_at_every_row_count(bias: bool)
     for rows in (1, 3, 8, 40, 300):
         x = torch.randn(1, rows, 96, generator=generator).bfloat16()
         assert torch.equal(packed(x), F.linear(x, packed.weight, packed.bias)), rows
+    packed.pack()  # new weights in place: the old packed copy must not serve them
+    assert packed.onednn is None
 
 
 def _mixed_step_logits(model: LlamaForCausalLM, onednn: bool) -> torch.Tensor:

@@ -90,6 +90,7 @@ class Packed(nn.Module):
 
     def pack(self) -> None:
         parts = self._parts
+        self.onednn = None  # a copy of the weights packed before: pack_onednn again for these
         if len(parts) == 1:  # plain tensors sharing the parameters' storage (a Parameter would register here)
             bias = parts[0].bias
             self.weight, self.bias = parts[0].weight.detach(), None if bias is None else bias.detach()
