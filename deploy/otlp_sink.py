@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 from collections import Counter
 from concurrent import futures
@@ -28,10 +29,13 @@ class CountingTraceService(trace_service_pb2_grpc.TraceServiceServicer):
         for rs in request.resource_spans:
             service = next((kv.value.string_value for kv in rs.resource.attributes if kv.key == "service.name"), "")
             received[service] += sum(len(ss.spans) for ss in rs.scope_spans)
-        with self.lock:
+        with self.lock:  # one whole line per export, in the order of the totals: exports come on 4 threads,
+            # and print's two writes (text, then newline) of two at once interleaved into one line of two
+            # objects, which the compose drill could not parse (a clean-clone CI run, 2026-12-02)
             self.totals.update(received)
             line = {"event": "otlp_spans", "received": sum(received.values()), "totals": dict(self.totals)}
-        print(json.dumps(line), flush=True)
+            sys.stdout.write(json.dumps(line) + "\n")
+            sys.stdout.flush()
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
