@@ -5,10 +5,10 @@ place and, if one came, drains at once (nothing is serving yet, so an empty drai
 
 The handler records the signal before it raises SystemExit, because the SystemExit alone was lost
 in about one start in three on a 2-core Zen 4 (SIGTERM 0.35-0.47 s after the start, before the
-event loop took the signals; where exactly it was swallowed was not traced): raised inside whatever code the main thread was running (a C extension that clears the
-error it sees, a callback whose caller logs nothing), it was swallowed without a word and the
-engine went on to load and serve, deaf to the SIGTERM it had been sent
-(tests/test_engine_early_signal.py). This module imports nothing heavy: it runs before torch.
+event loop took the signals): raised inside whatever code the main thread was running, it was
+swallowed without a word (where exactly was not traced), and the engine went on to load and serve,
+deaf to the SIGTERM it had been sent (tests/test_engine_early_signal.py). This module imports
+nothing heavy: it runs before torch.
 """
 
 from __future__ import annotations
