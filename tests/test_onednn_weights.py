@@ -1,5 +1,5 @@
 """The layers' bfloat16 weights prepacked for oneDNN (llama.Packed.pack_onednn, which ModelRunner
-does where oneDNN runs bfloat16): the same bits as F.linear for every row count, bias or not, so
+does when machine/precision.choose_onednn_weights says so: bfloat16 where oneDNN runs it): the same bits as F.linear for every row count, bias or not, so
 prefills and mixed steps give the logits they gave before; traces keep F.linear."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_service.machine.precision import choose_onednn_weights, onednn_bfloat16
 from engine_service.model.kv_cache import PromptChunk
 from engine_service.model.llama import LlamaForCausalLM, Packed
 from engine_service.model.presets import PRESETS
-from engine_service.runtime.model_runner import ModelRunner, onednn_bfloat16
+from engine_service.runtime.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not onednn_bfloat16(), reason="oneDNN does not run bfloat16 on this CPU")
@@ -41,7 +42,7 @@ def test_a_packed_projection_gives_f_linears_bits_at_every_row_count(bias: bool)
 
 
 def _mixed_step_logits(model: LlamaForCausalLM, onednn: bool) -> torch.Tensor:
-    runner = ModelRunner(model, 4, 64, CPU, torch.bfloat16)
+    runner = ModelRunner(model, 4, 64, CPU, torch.bfloat16, onednn_weights=choose_onednn_weights("bfloat16", "cpu"))
     assert runner.onednn_weights
     if not onednn:
         for packed in model.projections():
@@ -69,9 +70,11 @@ def test_prefill_and_mixed_steps_give_the_same_logits_with_packed_weights() -> N
 def test_float32_weights_and_the_lm_head_are_not_packed() -> None:
     model = LlamaForCausalLM(PRESETS["tiny"])
     model.init_random(0)
-    runner = ModelRunner(model.eval(), 1, 16, CPU, torch.float32)
+    runner = ModelRunner(model.eval(), 1, 16, CPU, torch.float32,
+                         onednn_weights=choose_onednn_weights("float32", "cpu"))
     assert not runner.onednn_weights and all(p.onednn is None for p in model.projections())
+    assert not choose_onednn_weights("bfloat16", "cuda:0")
     model = model.to(torch.bfloat16)
-    ModelRunner(model, 1, 16, CPU, torch.bfloat16)
+    ModelRunner(model, 1, 16, CPU, torch.bfloat16, onednn_weights=choose_onednn_weights("bfloat16", "cpu"))
     *layers, head = model.projections()
     assert all(p.onednn is not None for p in layers) and head.onednn is None

@@ -7,7 +7,13 @@ import pytest
 
 from engine_service.config import EngineConfig
 from engine_service.machine.cpu import CpuInfo, detect, parse_cpuinfo
-from engine_service.machine.precision import choose_dtype, choose_dynamic_head, choose_quantize
+from engine_service.machine.precision import (
+    choose_dtype,
+    choose_dynamic_head,
+    choose_onednn_weights,
+    choose_quantize,
+    onednn_bfloat16,
+)
 from engine_service.model.gguf_checkpoint import weight_format
 from engine_service.model.gguf_reader import read_gguf
 from engine_service.model.presets import PACKAGED
@@ -117,6 +123,13 @@ def test_the_lm_head_multiplies_8_bit_activations_where_the_cpu_has_int8_dot_pro
         assert reason == "LM head int8 x 8-bit activations (fbgemm): the CPU has 8-bit dot products (VNNI/AMX)"
     else:
         assert reason == "LM head int8 weight-only: the CPU has no VNNI/AMX 8-bit dot products"
+
+
+def test_only_bfloat16_weights_on_a_cpu_whose_onednn_runs_bfloat16_are_prepacked() -> None:
+    assert choose_onednn_weights("bfloat16", "cpu") is onednn_bfloat16()  # this machine's answer
+    assert choose_onednn_weights("float32", "cpu") is False
+    assert choose_onednn_weights("float16", "cpu") is False
+    assert choose_onednn_weights("bfloat16", "cuda:0") is False
 
 
 def test_auto_quantize_is_none_on_cuda_and_explicit_wins() -> None:

@@ -17,6 +17,10 @@ The table, from measurements of SmolLM2-135M with 2 threads (README, "Precision"
 - the LM head of a quantized model: int8 multiplied with 8-bit activations by fbgemm where the CPU
   has 8-bit dot products accumulating in 32 bits (VNNI or AMX: cpu.py `int8_dot`), 2.7x faster
   than int8 weight-only at one row on a Zen 4 (model/quantize.py); elsewhere int8 weight-only.
+- bfloat16 layer weights on a CPU where oneDNN runs bfloat16: a copy prepacked for oneDNN, the bits
+  of `F.linear` without its per-call reorder (model/llama.py `Packed.pack_onednn`); float32 weights
+  never (their `F.linear` is another library's kernel, and float32 stays bit-identical to
+  transformers).
 
 Every explicit `--dtype` / `--quantize` wins over the table.
 """
@@ -24,6 +28,8 @@ Every explicit `--dtype` / `--quantize` wins over the table.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from engine_service.machine.cpu import CpuInfo
 
@@ -73,3 +79,13 @@ def choose_dynamic_head(quantize: str, device: str, cpu: CpuInfo) -> tuple[bool,
     if cpu.int8_dot:
         return True, "LM head int8 x 8-bit activations (fbgemm): the CPU has 8-bit dot products (VNNI/AMX)"
     return False, "LM head int8 weight-only: the CPU has no VNNI/AMX 8-bit dot products"
+
+
+def choose_onednn_weights(dtype: str, device: str) -> bool:
+    """Whether the layers' weights in `dtype` get a copy prepacked for oneDNN on `device`."""
+    return dtype == "bfloat16" and device.startswith("cpu") and onednn_bfloat16()
+
+
+def onednn_bfloat16() -> bool:
+    """oneDNN is built in and runs bfloat16 on this CPU (AVX-512 BW and up)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -17,7 +17,13 @@ from engine_service.config import EngineConfig
 from engine_service.faults import FaultInjector
 from engine_service.generation.speculative import SpeculativeConfig
 from engine_service.machine.cpu import CpuInfo, detect
-from engine_service.machine.precision import Precision, choose_dtype, choose_dynamic_head, choose_quantize
+from engine_service.machine.precision import (
+    Precision,
+    choose_dtype,
+    choose_dynamic_head,
+    choose_onednn_weights,
+    choose_quantize,
+)
 from engine_service.model.loader import LoadedModel, load_model
 from engine_service.requests import Limits
 from engine_service.runtime.engine import Engine, EngineInfo, FatalCallback
@@ -58,7 +64,7 @@ async def build_engine(config: EngineConfig) -> Engine:
         precision = Precision(dtype_name, quantize, "; ".join(reasons))
         runner = await event_loop.run_in_executor(
             loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize,
-            cfg.trace_decode, dynamic_head)
+            cfg.trace_decode, dynamic_head, choose_onednn_weights(dtype_name, cfg.device))
     finally:
         loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
     limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)

@@ -35,18 +35,16 @@ class StepLogits:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, max_batch: int, max_context: int, device: torch.device,
                  dtype: torch.dtype, quantize: str = "none", trace_decode: bool = False,
-                 dynamic_head: bool = False) -> None:
+                 dynamic_head: bool = False, onednn_weights: bool = False) -> None:
         self.model = model
         self.device = device
         self.cache = KVCache(model.config, max_batch, max_context, dtype, device)
         model.pack_projections()
         model.setup_rope(max_context, device)
-        # the layers' bfloat16 weights prepacked for oneDNN (bit for bit F.linear's product, faster:
-        # llama.Packed.pack_onednn) where oneDNN runs bfloat16 on this CPU; not the LM head, whose
-        # calls of more than a few rows are rare (echoed prompts), nor float32 weights, whose F.linear
-        # is another library's kernel (float32 stays bit-identical to transformers)
-        self.onednn_weights = dtype == torch.bfloat16 and device.type == "cpu" and onednn_bfloat16()
-        if self.onednn_weights:
+        # the layers' weights prepacked for oneDNN when asked (machine/precision.choose_onednn_weights);
+        # not the LM head, whose calls of more than a few rows are rare (echoed prompts)
+        self.onednn_weights = onednn_weights
+        if onednn_weights:
             for packed in model.projections()[:-1]:
                 packed.pack_onednn()
         if quantize != "none":
@@ -96,11 +94,6 @@ class ModelRunner:
     def _prompt_tokens(self, prefills: Seq[Prefill]) -> torch.Tensor:
         return torch.tensor([t for p in prefills for t in p.seq.request.prompt_ids[
             p.chunk.start:p.chunk.start + p.chunk.length]], dtype=torch.long, device=self.device)
-
-
-def onednn_bfloat16() -> bool:
-    """oneDNN is built in and runs bfloat16 on this CPU (AVX-512 BW and up)."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _split(logits: torch.Tensor, decoded: int, prefills: Seq[Prefill], echo: set[int]) -> StepLogits:
