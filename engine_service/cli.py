@@ -26,7 +26,7 @@ TOKEN_ENV = "ENGINE_AUTH_TOKEN"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engine-serve", description="Serve an LLM decode engine over gRPC (engine.v1).",
+    p = argparse.ArgumentParser(prog="engine-serve", description="Serve an LLM decode engine over gRPC (engine.v1), and OpenAI-compatible HTTP with --http-port.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", default=DEFAULT_MODEL,
@@ -82,10 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     n = p.add_argument_group("server")
     n.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in containers)")
     n.add_argument("--port", type=int, default=50051, help="port to bind (0: any free port, logged)")
+    n.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                        "/health, /tokenize, /detokenize) on this port, on --host, with the same engine, auth and TLS "
+                        "(off; 0: any free port, logged)")
     n.add_argument("--grace-seconds", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, how long streams in flight may take to finish")
     n.add_argument("--max-receive-bytes", type=int, default=4 * 1024 * 1024,
-                   help="largest request message; larger ones get gRPC's RESOURCE_EXHAUSTED")
+                   help="largest request message; larger ones get gRPC's RESOURCE_EXHAUSTED (HTTP: 413)")
     n.add_argument("--max-concurrent-streams", type=int, default=256, help="concurrent streams per connection")
     n.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics, on --host (off; 0: any free port, logged)")
@@ -132,7 +136,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     )
     server = ServerConfig(
         host=args.host, port=args.port, grace_seconds=args.grace_seconds, max_receive_bytes=args.max_receive_bytes,
-        max_concurrent_streams=args.max_concurrent_streams, metrics_port=args.metrics_port, tls_cert=args.tls_cert,
+        max_concurrent_streams=args.max_concurrent_streams, metrics_port=args.metrics_port, http_port=args.http_port, tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, auth_token=token, log_text=args.log_text,
     )
     return engine, server

@@ -80,7 +80,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Where and how the gRPC server listens, and how it shuts down."""
+    """Where and how the gRPC server (and the HTTP front beside it) listens, and how it shuts down."""
 
     host: str = "127.0.0.1"
     port: int = 50051
@@ -88,6 +88,7 @@ class ServerConfig:
     max_receive_bytes: int = 4 * 1024 * 1024
     max_concurrent_streams: int = 256
     metrics_port: int | None = None
+    http_port: int | None = None  # the OpenAI-compatible HTTP front (transport/http_front.py): off unless set
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
@@ -97,6 +98,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be 0..65535, got {self.http_port}")
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
         _positive("max_receive_bytes", self.max_receive_bytes)

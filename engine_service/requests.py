@@ -157,12 +157,14 @@ def loggable_request_id(raw: str) -> str:
     return _clip(ascii(raw[:64]), 72)
 
 
-def parse_tokenize(msg: Any, limits: Limits, tokenizer: Encoder, chat_template: ChatTemplate | None) -> tuple[int, ...]:
+def parse_tokenize(msg: Any, limits: Limits, tokenizer: Encoder, chat_template: ChatTemplate | None,
+                   add_special_tokens: bool = True) -> tuple[int, ...]:
     """The token ids a TokenizeRequest's prompt makes, validated as Decode's prompt_text or chat is
     (its `text` is Decode's prompt_text, and named so). A prompt longer than max_context_tokens is
     tokenized all the same, so that the caller can trim it, within the bounds that protect the event
     loop before tokenizing: MAX_CHARS_PER_TOKEN characters per token of context, and for chat at
-    most max_context_tokens messages."""
+    most max_context_tokens messages. `add_special_tokens` False: text without the BOS (and any other
+    token the tokenizer adds), as vLLM's /tokenize offers."""
     which = msg.WhichOneof("prompt")
     if which is None:
         raise InvalidField("prompt", None, "prompt must be set: give text or chat")
@@ -172,7 +174,7 @@ def parse_tokenize(msg: Any, limits: Limits, tokenizer: Encoder, chat_template: 
     if not text:
         raise InvalidField("text", text, "text must not be empty, got ''")
     _check_text_length(len(text), f"text of {len(text)} characters", 0, limits)
-    ids = tuple(tokenizer.encode(text))
+    ids = tuple(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     if not ids:
         raise InvalidField("text", _clip(text), f"text {_clip(repr(text))} tokenizes to no tokens; send text that does")
     return ids

@@ -1,8 +1,10 @@
-"""The domain exceptions and the one table that maps each to a gRPC status and google.rpc details.
+"""The domain exceptions and the one table that maps each to a gRPC status and google.rpc details,
+and to an HTTP status and OpenAI-shaped error body.
 
-Each exception class declares its status code and ErrorInfo reason, so the classes *are* the
-table (as in google-api-core): servers turn an exception into a status with `to_status`, clients
-turn a `grpc.RpcError` back into the exception with `from_rpc_error`. The bench client's HTTP
+Each exception class declares its status code, its HTTP status (`http_code`) and its ErrorInfo
+reason, so the classes *are* the table (as in google-api-core): servers turn an exception into a
+status with `to_status` (gRPC) or `to_http_error` (the engine's OpenAI-compatible HTTP front),
+clients turn a `grpc.RpcError` back into the exception with `from_rpc_error`. The bench client's HTTP
 adapter (bench_client/openai_errors.py) is the other door in: it turns an OpenAI-compatible
 server's answer into the same classes, with the HTTP status it came with (`http_status`), so that
 one policy table decides for both protocols. The classes after `Statuses that travel without our
@@ -12,6 +14,7 @@ details` are the client's alone: no engine sends their reasons.
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -29,6 +32,7 @@ class EngineError(Exception):
     """Base of every error that crosses the wire. Subclasses declare `code` and `reason`."""
 
     code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
+    http_code: ClassVar[int] = 500  # the HTTP status the engine's HTTP front answers it with
     reason: ClassVar[str] = ""
 
     def __init__(
@@ -64,6 +68,7 @@ def _rebuild(cls, message, metadata, retry_delay, field, http_status=None):  # t
 class InvalidRequest(EngineError):
     """The request cannot be served as asked. Never retry it."""
 
+    http_code = 400
     code = grpc.StatusCode.INVALID_ARGUMENT
     reason = "INVALID_FIELD"
 
@@ -107,6 +112,7 @@ class ContextLengthExceeded(InvalidRequest):
 class QueueFull(EngineError):
     """The waiting queue is at capacity. Back off at least `retry_delay` seconds, then retry."""
 
+    http_code = 429
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "QUEUE_FULL"
 
@@ -122,6 +128,7 @@ class QueueFull(EngineError):
 class SequenceError(EngineError):
     """One sequence failed mid-decode; the engine aborts it alone."""
 
+    http_code = 500
     code = grpc.StatusCode.ABORTED
     reason = "SEQUENCE_ABORTED"
 
@@ -136,6 +143,7 @@ class SequenceError(EngineError):
 class EngineDraining(EngineError):
     """The engine is shutting down and admits no new work."""
 
+    http_code = 503
     code = grpc.StatusCode.UNAVAILABLE
     reason = "ENGINE_DRAINING"
 
@@ -151,6 +159,7 @@ class EngineDraining(EngineError):
 class DeadlineExceeded(EngineError):
     """The request's deadline passed while it was queued or decoding."""
 
+    http_code = 408
     code = grpc.StatusCode.DEADLINE_EXCEEDED
     reason = "DEADLINE_EXCEEDED"
 
@@ -165,6 +174,7 @@ class DeadlineExceeded(EngineError):
 class Unauthenticated(EngineError):
     """Missing or invalid credentials."""
 
+    http_code = 401
     code = grpc.StatusCode.UNAUTHENTICATED
     reason = "UNAUTHENTICATED"
 
@@ -172,6 +182,7 @@ class Unauthenticated(EngineError):
 class InternalError(EngineError):
     """A bug in request handling. The message stays generic; the traceback is in the log."""
 
+    http_code = 500
     code = grpc.StatusCode.INTERNAL
     reason = "INTERNAL"
 
@@ -188,6 +199,7 @@ class EngineUnavailable(EngineError):
     """UNAVAILABLE without ErrorInfo: the engine is down or unreachable. The engine itself sends
     it, without details, to the streams in flight when it stops on a fatal error."""
 
+    http_code = 503
     code = grpc.StatusCode.UNAVAILABLE
 
 
@@ -196,6 +208,7 @@ class Cancelled(EngineError):
     caller's own cancellations; a received CANCELLED means the server's side cancelled the call
     (gRPC does so for calls it had accepted but not started when the server stops)."""
 
+    http_code = 499
     code = grpc.StatusCode.CANCELLED
 
 
@@ -203,10 +216,19 @@ class TransportError(EngineError):
     """Any other status without our details (for example gRPC's own message-size limit)."""
 
 
+class RequestTooLarge(TransportError):
+    """A request larger than the server takes (--max-receive-bytes): HTTP 413, and over gRPC its own
+    RESOURCE_EXHAUSTED, both without our details."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_code = 413
+
+
 class ClientTimeout(EngineError):
     """The client's own timeout (policy.request_timeout_s) passed before the answer ended: the
     server said nothing, unlike the engine's DeadlineExceeded, which carries its ErrorInfo."""
 
+    http_code = 408
     code = grpc.StatusCode.DEADLINE_EXCEEDED
     reason = "CLIENT_TIMEOUT"
 
@@ -214,6 +236,7 @@ class ClientTimeout(EngineError):
 class PermissionDenied(EngineError):
     """The credentials were read but refused (HTTP 403; PERMISSION_DENIED): fix them."""
 
+    http_code = 403
     code = grpc.StatusCode.PERMISSION_DENIED
     reason = "PERMISSION_DENIED"
 
@@ -332,3 +355,49 @@ def wire_code(err: EngineError) -> str:
     """The code as it travelled, for records and tables: "HTTP_429" over HTTP, else the gRPC name."""
     return f"HTTP_{err.http_status}" if err.http_status is not None else status_code_of(err).name
 
+
+
+# -- the HTTP column -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HttpError:
+    """An exception as the engine's HTTP front sends it: status, JSON body, headers."""
+
+    status: int
+    body: Mapping[str, object]
+    headers: Mapping[str, str]
+
+
+def http_message(err: EngineError) -> str:
+    """The message an HTTP body carries: the exception's own, and for a context that is too long
+    vLLM's sentence before it, with the numbers, so that every OpenAI-compatible benchmark client
+    (vLLM's, AIPerf, guidellm, ours: bench_client/openai_errors.py) reads it as "context too long"."""
+    if isinstance(err, ContextLengthExceeded):
+        try:
+            prompt, new = int(err.metadata["promptTokens"]), int(err.metadata["maxNewTokens"])
+            context = int(err.metadata["maxContextTokens"])
+        except (KeyError, ValueError):  # built without the numbers: the message alone says it
+            return err.message
+        return (f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{prompt + new} tokens ({prompt} in the messages, {new} in the completion). "
+                f"Please reduce the length of the messages or completion. ({err.message})")
+    return err.message
+
+
+def to_http_error(err: EngineError, param: str | None = None) -> HttpError:
+    """The HTTP answer for an exception: its class's `http_code`; the body in vLLM's shape
+    `{"error": {"message", "type", "param", "code"}}` with the ErrorInfo reason as `type` (the
+    class name where it has none), the status as `code`, the field as `param` (`param` as the
+    front names it, else the exception's `field`) and the ErrorInfo metadata as `metadata`;
+    `Retry-After` (whole seconds, rounded up, as HTTP counts them) where it carries a retry delay,
+    `WWW-Authenticate` for UNAUTHENTICATED."""
+    status = err.http_code
+    body = {"error": {"message": http_message(err), "type": err.reason or type(err).__name__,
+                      "param": param if param is not None else err.field, "code": status,
+                      "metadata": dict(err.metadata)}}
+    headers: dict[str, str] = {}
+    if err.retry_delay is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(err.retry_delay)))
+    if isinstance(err, Unauthenticated):
+        headers["WWW-Authenticate"] = "Bearer"
+    return HttpError(status, body, headers)

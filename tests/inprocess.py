@@ -55,5 +55,5 @@ async def served(config: EngineConfig, monkeypatch, server_config: ServerConfig 
             yield Served(engine, running, engine_pb2_grpc.EngineServiceStub(channel), metrics, captured)
     finally:
         engine.stop()
-        await running.server.stop(0)
+        await running.stop(0)
         metrics.stop()

@@ -1,4 +1,6 @@
-"""The gRPC server: EngineService, health, reflection; start-up, drain and fatal shutdown.
+"""The gRPC server: EngineService, health, reflection, and with --http-port the OpenAI-compatible
+HTTP front beside it (http_front.py, the same engine on the same loop); start-up, drain and fatal
+shutdown.
 
 `create_server` builds and binds (tests use port 0); `serve` runs the whole lifecycle and
 returns the process exit code: 0 after a drain, 2 when the model cannot load; after a fatal
@@ -26,6 +28,7 @@ from engine_service.runtime.engine import Engine
 from engine_service.runtime.loop import FATAL_EXIT_CODE
 from engine_service.transport import early_stop
 from engine_service.transport.engine_slot import EngineSlot
+from engine_service.transport.http_front import HttpFront, RunningHttp
 from engine_service.transport.metrics import EngineMetrics, disabled_meter, start_metrics_server
 from engine_service.transport.security import BearerTokenInterceptor, server_credentials
 from engine_service.transport.servicer import SERVICE_NAME, EngineServicer
@@ -45,6 +48,19 @@ class RunningServer:
     port: int
     health: health.aio.HealthServicer
     slot: EngineSlot  # what it serves: LOADING, then READY with the engine
+    http: HttpFront | None = None  # the OpenAI-compatible front, with --http-port
+    http_running: RunningHttp | None = None
+
+    @property
+    def http_port(self) -> int | None:
+        return self.http_running.port if self.http_running is not None else None
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop both fronts: gRPC's within `grace` seconds, then HTTP's (its open streams closed
+        after http_front.SHUTDOWN_TIMEOUT_S)."""
+        await self.server.stop(grace)
+        if self.http_running is not None:
+            await self.http_running.runner.cleanup()
 
 
 def grpc_options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -90,12 +106,22 @@ async def create_server(slot: EngineSlot, cfg: ServerConfig, telemetry: RequestT
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {address}")
     servicer.replica = replica_name(cfg.host, port)
-    return RunningServer(server, port, health_servicer, slot)
+    running = RunningServer(server, port, health_servicer, slot)
+    if cfg.http_port is not None:
+        running.http = HttpFront(slot, telemetry, cfg)
+        try:
+            running.http_running = await running.http.start(cfg.host, cfg.http_port)
+        except OSError:
+            await server.stop(0)
+            raise
+    return running
 
 
 async def set_health(running: RunningServer, status: int) -> None:
     for name in HEALTH_SERVICES:
         await running.health.set(name, status)
+    if running.http is not None:
+        running.http.serving = status == health_pb2.HealthCheckResponse.SERVING
 
 
 async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
@@ -120,10 +146,15 @@ async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
 
 async def _serve(engine_cfg: EngineConfig, slot: EngineSlot, server_cfg: ServerConfig,
                  telemetry: RequestTelemetry) -> int:
-    running = await create_server(slot, server_cfg, telemetry)
+    try:
+        running = await create_server(slot, server_cfg, telemetry)
+    except OSError as err:  # the HTTP front's port taken (gRPC's own raises from add_insecure_port as before)
+        log.error("engine_start_failed", error_type=type(err).__name__, error=str(err))
+        return STARTUP_FAILED_EXIT_CODE
     await running.server.start()
-    log.info("server_started", host=server_cfg.host, port=running.port, tls=server_cfg.tls_cert is not None,
-             mtls=server_cfg.tls_client_ca is not None, auth=server_cfg.auth_token is not None)
+    log.info("server_started", host=server_cfg.host, port=running.port, http_port=running.http_port,
+             tls=server_cfg.tls_cert is not None, mtls=server_cfg.tls_client_ca is not None,
+             auth=server_cfg.auth_token is not None)
 
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
@@ -146,17 +177,17 @@ async def _serve(engine_cfg: EngineConfig, slot: EngineSlot, server_cfg: ServerC
     if starting.done() and starting.exception() is not None:
         err = starting.exception()
         log.error("engine_start_failed", error_type=type(err).__name__, error=str(err))
-        await running.server.stop(0)
+        await running.stop(0)
         return STARTUP_FAILED_EXIT_CODE
     if not starting.done():
         starting.cancel()
         log.info("engine_stopped_while_loading")
-        await running.server.stop(0)
+        await running.stop(0)
         return 0
     engine = starting.result()
     slot.fill(engine)
     await set_health(running, health_pb2.HealthCheckResponse.SERVING)
-    log.info("engine_serving", port=running.port)
+    log.info("engine_serving", port=running.port, http_port=running.http_port)
 
     fatal_wait = asyncio.create_task(fatal.wait())
     await asyncio.wait({stopping, fatal_wait}, return_when=asyncio.FIRST_COMPLETED)
@@ -178,13 +209,15 @@ async def drain(running: RunningServer, grace_seconds: float) -> int:
     engine = running.slot.ready_engine()
     engine.begin_drain(grace_seconds)
     await running.health.enter_graceful_shutdown()
+    if running.http is not None:
+        running.http.serving = False  # /health 503 "draining"
     log.info("engine_draining", grace_seconds=grace_seconds, in_flight=engine.load().running_sequences)
     if not await engine.wait_idle(grace_seconds):
         cut = engine.end_all(EngineDraining.build(grace_seconds))
         log.warning("drain_grace_expired", streams_cut=cut)
         await engine.wait_idle(2.0)
     engine.stop()
-    await running.server.stop(1.0)
+    await running.stop(1.0)
     log.info("engine_stopped", exit_code=0)
     return 0
 

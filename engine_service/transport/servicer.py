@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
 
 import grpc
 import structlog
@@ -24,7 +23,7 @@ from engine_service.requests import Request, loggable_request_id, parse_tokenize
 from engine_service.runtime.engine import Handle
 from engine_service.transport.engine_slot import EngineSlot
 from engine_service.transport.metrics import EngineMetrics, disabled_meter
-from engine_service.transport.telemetry import RequestOutcome, RequestTelemetry
+from engine_service.transport.telemetry import RequestOutcome, RequestTelemetry, log_request_text
 from shared.engine_channel import REPLICA_HEADER
 from shared.errors import EngineError, InternalError, InvalidField, status_code_of, to_status
 from shared.tracing import extract_context, log_ids
@@ -95,29 +94,12 @@ class EngineServicer:
                 self.slot.ready_engine().release(handle)
             if error is not None:
                 code = status_code_of(error)
-            self.telemetry.finish(span, self._outcome(request_id, code, error, started, msg, handle, finish))
+            self.telemetry.finish(span, RequestOutcome.of(request_id, code, error, started, handle, finish,
+                                                          self.slot.model))
             if self.log_text and handle is not None:
-                self._log_text(handle, ids)
+                log_request_text(handle, self.slot.ready_engine().loaded.tokenizer, ids)
         if error is not None:
             await _abort(context, error)
-
-    def _log_text(self, handle: Handle, ids: dict[str, str]) -> None:
-        tokenizer = self.slot.ready_engine().loaded.tokenizer
-        seq = handle.seq
-        log.info("request_text", request_id=seq.request_id, **ids,
-                 prompt_text=tokenizer.decode(list(seq.request.prompt_ids)), output_text=tokenizer.decode(seq.generated))
-
-    def _outcome(self, request_id: str, code: grpc.StatusCode, error: EngineError | None, started: float,
-                 msg: pb.DecodeRequest | None, handle: Handle | None, finish: str | None) -> RequestOutcome:
-        outcome = RequestOutcome(request_id, code, error, started, time.monotonic(), finish_reason=finish,
-                                 max_tokens=handle.seq.request.max_new_tokens if handle is not None else None,
-                                 model=self.slot.model)
-        if handle is None:
-            return outcome
-        seq = handle.seq
-        return replace(outcome, prompt_tokens=len(seq.request.prompt_ids), output_tokens=len(seq.generated),
-                       cached_prompt_tokens=seq.cached_tokens, timings=seq.timings,
-                       draft_tokens=seq.controls.draft_tokens, accepted_tokens=seq.controls.accepted_tokens)
 
     async def _stream(self, handle: Handle) -> AsyncIterator[pb.DecodeResponse]:
         seq = handle.seq

@@ -11,13 +11,16 @@ child spans at the end, rebuilt from the sequence's timings: nothing is traced p
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import grpc
 import structlog
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from engine_service.runtime.engine import Handle
 from engine_service.scheduling.sequence import Timings
 from engine_service.transport.metrics import EngineMetrics, RequestSample
 from shared.errors import EngineError
@@ -26,6 +29,10 @@ from shared.tracing import log_ids, rpc_attributes, set_rpc_outcome
 log = structlog.get_logger()
 
 TRACER_NAME = "engine_service"
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,19 @@ class RequestOutcome:
     cached_prompt_tokens: int | None = None  # of prompt_tokens, those the prefix cache supplied
     draft_tokens: int = 0  # speculated tokens verified (--speculative)
     accepted_tokens: int = 0  # of those, accepted
+
+    @classmethod
+    def of(cls, request_id: str, code: grpc.StatusCode, error: EngineError | None, started: float,
+           handle: Handle | None, finish: str | None, model: str | None) -> RequestOutcome:
+        """How a request ended, now, with what its sequence says when it got one (either front)."""
+        outcome = cls(request_id, code, error, started, time.monotonic(), finish_reason=finish,
+                      max_tokens=handle.seq.request.max_new_tokens if handle is not None else None, model=model)
+        if handle is None:
+            return outcome
+        seq = handle.seq
+        return replace(outcome, prompt_tokens=len(seq.request.prompt_ids), output_tokens=len(seq.generated),
+                       cached_prompt_tokens=seq.cached_tokens, timings=seq.timings,
+                       draft_tokens=seq.controls.draft_tokens, accepted_tokens=seq.controls.accepted_tokens)
 
     @property
     def reason(self) -> str:
@@ -73,6 +93,13 @@ class RequestTelemetry:
     def start_span(self, method: str, parent: Context) -> trace.Span:
         return self._tracer.start_span(f"engine.v1.EngineService/{method}", context=parent,
                                        kind=trace.SpanKind.SERVER, attributes=rpc_attributes(method))
+
+    def start_http_span(self, route: str, parent: Context) -> trace.Span:
+        """The server span of a call to the HTTP front (`route`: its path), HTTP's semantic
+        conventions' name and attributes; it ends as a Decode's does (`finish`), the status the
+        request ended with as the gRPC code the same error has (`rpc.grpc.status_code`)."""
+        return self._tracer.start_span(f"POST {route}", context=parent, kind=trace.SpanKind.SERVER,
+                                       attributes={"http.request.method": "POST", "http.route": route})
 
     def finish(self, span: trace.Span, outcome: RequestOutcome) -> None:
         """The one place a request's end is told: log, metrics, span."""
@@ -139,3 +166,10 @@ class RequestTelemetry:
             self._tracer.start_span(name, context=parent, start_time=ns(start)).end(end_time=ns(end))
         if t.first_token is not None:
             span.add_event("first_token", timestamp=ns(t.first_token))
+
+
+def log_request_text(handle: Handle, tokenizer: Decoder, ids: dict[str, str]) -> None:
+    """--log-text: a finished request's prompt and output text (debug only)."""
+    seq = handle.seq
+    log.info("request_text", request_id=seq.request_id, **ids,
+             prompt_text=tokenizer.decode(list(seq.request.prompt_ids)), output_text=tokenizer.decode(seq.generated))
