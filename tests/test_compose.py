@@ -116,13 +116,13 @@ def test_the_engine_is_built_here_health_checked_and_restarted(services):
 
 def test_the_engine_scales_its_ports_are_ephemeral_on_the_host(services):
     """`docker compose up --scale engine=3`: a fixed host port (or a container name) would let only one
-    replica start. Each replica publishes the gRPC and metrics ports on a host port Docker picks."""
+    replica start. Each replica publishes the gRPC, HTTP and metrics ports on a host port Docker picks."""
     engine, args = services["engine"], engine_args(services)
     assert "container_name" not in engine and "hostname" not in engine
     assert "network_mode" not in engine, "host networking would make every replica bind the same port"
     ports = engine.get("ports", [])
     assert [published_port(p) for p in ports if published_port(p) is not None] == []
-    assert {container_port(p) for p in ports} <= {str(args.port), str(args.metrics_port)}
+    assert {container_port(p) for p in ports} == {str(args.port), str(args.http_port), str(args.metrics_port)}
     assert str(args.port) in {container_port(p) for p in ports} | {str(p) for p in engine.get("expose", [])}
     assert engine.get("deploy", {}).get("replicas", 1) >= 1
 

@@ -288,7 +288,8 @@ def engine_problems(docs: list[dict]) -> list[str]:
     if not selects(deployment["spec"]["selector"]["matchLabels"], pod_labels(template)):
         problems.append("engine: the Deployment's selector does not select its own pods")
 
-    # Services: a headless one on the gRPC port, one for the metrics port, each selecting the engines.
+    # Services: a headless one on the gRPC port, one for the HTTP front, one for the metrics port, each
+    # selecting the engines.
     services = {s["metadata"]["name"]: s for s in docs if s["kind"] == "Service"}
     headless = [s for s in services.values() if s["spec"].get("clusterIP") == "None"]
     if len(headless) != 1:
@@ -312,6 +313,9 @@ def engine_problems(docs: list[dict]) -> list[str]:
                             f"--metrics-port {args.metrics_port}")
     if not any(ports.get(p.get("targetPort")) == args.metrics_port for s in scraped for p in s["spec"]["ports"]):
         problems.append("no annotated Service on the metrics port")
+    if args.http_port is None or not any(ports.get(p.get("targetPort")) == args.http_port
+                                         for s in services.values() for p in s["spec"]["ports"]):
+        problems.append(f"no Service on the HTTP front's port (--http-port {args.http_port})")
     return problems
 
 
