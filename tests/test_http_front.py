@@ -409,3 +409,37 @@ async def test_health_is_503_while_the_model_loads() -> None:
     finally:
         slot.ready_engine().stop()
         await running.stop(0)
+
+
+async def test_one_process_serves_both_fronts_with_one_set_of_metrics() -> None:
+    """`python -m engine_service --http-port 0`: the same engine over both; every request, either
+    front, counted in the same metrics and told by the same `request_finished` event."""
+    import urllib.error
+    import urllib.request
+
+    from tests.contract import decode
+    from tests.engines import EngineProcess
+    from tests.test_observability_metrics import scrape, series
+
+    with EngineProcess("--model", "tiny", "--http-port", "0", "--metrics-port", "0") as proc:
+        assert proc.http_port is not None and proc.http_port != proc.port
+        url = f"http://127.0.0.1:{proc.http_port}/v1/completions"
+
+        def post(body: dict) -> int:  # type: ignore[type-arg]
+            request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                                "X-Request-Id": f"h{body['max_tokens']}"})
+            try:
+                with urllib.request.urlopen(request, timeout=30) as resp:
+                    return resp.status
+            except urllib.error.HTTPError as err:
+                return err.code
+
+        assert post({"prompt": "x", "max_tokens": 3, "temperature": 0}) == 200
+        assert post({"prompt": "x", "max_tokens": 0}) == 400
+        decode(proc.stub(), prompt_text="x", max_new_tokens=3)
+        samples = scrape(proc.events_named("metrics_started")[0]["port"])
+        assert series(samples, "engine_requests_total", status="OK", reason="") == [2.0]
+        assert series(samples, "engine_requests_total", status="INVALID_ARGUMENT", reason="INVALID_FIELD") == [1.0]
+        assert series(samples, "engine_generation_tokens_total") == [6.0]
+        finished = proc.wait_events("request_finished", "h3")
+        assert finished[0]["status"] == "OK" and finished[0]["output_tokens"] == 3

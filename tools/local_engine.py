@@ -35,6 +35,7 @@ class EngineProcess:
         self.events: list[dict] = []
         self.raw_lines: list[str] = []
         self.port: int | None = None
+        self.http_port: int | None = None  # the HTTP front's, with --http-port
         self._port_seen = threading.Event()
         self.proc: subprocess.Popen[str] | None = None
 
@@ -62,6 +63,7 @@ class EngineProcess:
             self.events.append(event)
             if event.get("event") == "server_started":
                 self.port = int(event["port"])
+                self.http_port = event.get("http_port")
                 self._port_seen.set()
 
     @property
