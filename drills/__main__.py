@@ -10,12 +10,13 @@ from collections.abc import Callable
 
 import grpc
 
-from drills import compose, crash, drain, fuzz, fuzz_http, http_peer, overload, readers, replicas, seqfaults
+from drills import compose, crash, drain, fuzz, fuzz_front, fuzz_http, http_peer, overload, readers, replicas, seqfaults
 from drills.common import note
 from drills.row import DrillRow, markdown_table
 
 DRILLS: dict[str, Callable[[bool], DrillRow]] = {
     fuzz.NAME: fuzz.run,
+    fuzz_front.NAME: fuzz_front.run,
     fuzz_http.NAME: fuzz_http.run,
     overload.NAME: overload.run,
     readers.NAME: readers.run,

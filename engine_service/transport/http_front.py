@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import math
 import ssl
 import time
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from engine.v1 import engine_pb2 as pb
 from engine_service.config import ServerConfig
@@ -44,7 +46,7 @@ from engine_service.generation.logprobs import TokenLogprobs
 from engine_service.requests import Request, loggable_request_id, parse_tokenize
 from engine_service.runtime.engine import Engine, Handle
 from engine_service.transport.engine_slot import EngineSlot, Ready
-from engine_service.transport.openai_request import Endpoint, OpenAICall, parse_body
+from engine_service.transport.openai_request import Endpoint, OpenAICall, json_text, parse_body
 from engine_service.transport.openai_response import Shaper, Usage
 from engine_service.transport.telemetry import RequestOutcome, RequestTelemetry, log_request_text
 from shared.errors import (
@@ -66,6 +68,8 @@ TIMEOUT_HEADER = "X-Request-Timeout"
 OPEN_PATHS = frozenset({"/health"})  # served without the bearer token
 SHUTDOWN_TIMEOUT_S = 1.0  # streams still open when the server stops (after the drain) are closed after this
 DONE = b"data: [DONE]\n\n"
+NO_TEMPLATE = ("messages need a model with a chat template, and this engine's model has none; "
+               "send a prompt to /v1/completions")
 
 
 def error_response(err: EngineError, param: str | None = None, request_id: str = "") -> web.Response:
@@ -90,6 +94,21 @@ async def _aiohttp_refusals(request: web.Request, handler: Callable[[web.Request
         message = f"{request.method} {request.path}: {exc.reason}" + (f" ({exc.text})" if exc.text else "")
         return web.json_response({"error": {"message": message, "type": type(exc).__name__.removeprefix("HTTP"),
                                             "param": None, "code": exc.status}}, status=exc.status)
+
+
+class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server logger, but for bytes that are not an HTTP request (a chunk size of garbage, a
+    Content-Length of -5, a header over 8 KiB), which aiohttp answers 400 itself and logs as an error
+    with a traceback: the caller's fault, so a warning, `http_request_malformed`. Every other record
+    (a handler that raised) goes through as aiohttp logs it."""
+
+    def exception(self, msg: object, *args: object, exc_info: object = True, **kwargs: object) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            peer = args[0] if args else ""
+            log.warning("http_request_malformed", peer=str(peer), status=exc_info.code,
+                        error=" ".join(str(exc_info.message).split())[:200] or type(exc_info).__name__)
+            return
+        self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -119,7 +138,8 @@ class HttpFront:
     async def start(self, host: str, port: int) -> RunningHttp:
         """Bind and serve (port 0: any free one); TLS when the gRPC server has it."""
         runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
-                               shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+                               shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                               logger=_ServerLog(logging.getLogger("aiohttp.server")))
         await runner.setup()
         site = web.TCPSite(runner, host, port, ssl_context=self._ssl_context(), reuse_port=False)
         await site.start()
@@ -174,9 +194,11 @@ class HttpFront:
             msg = pb.TokenizeRequest()
             if isinstance(body.get("messages"), list):
                 call = parse_body({"messages": body["messages"]}, "chat", "", engine.info.model)
+                if loaded.chat_template is None:  # as /v1/chat/completions says it (not Tokenize's gRPC words)
+                    raise InvalidField("messages", f"{len(body['messages'])} messages", NO_TEMPLATE)
                 msg.chat.CopyFrom(call.message.chat)
             else:
-                msg.text = _json_text(body, "prompt")
+                msg.text = json_text(body.get("prompt"), "prompt")
             special = body.get("add_special_tokens", True)
             if not isinstance(special, bool):
                 raise InvalidField("add_special_tokens", repr(special), f"add_special_tokens must be a boolean, got {special!r}")
@@ -222,12 +244,13 @@ class HttpFront:
         ids = log_ids(span)
         request_id = loggable_request_id(request.headers.get(REQUEST_ID_HEADER, ""))
         call, handle, error, finish, stream = None, None, None, None, None
+        gone = False  # the caller's connection closed under a write
         code = grpc.StatusCode.CANCELLED  # unless the request gets further
         try:
             self._check_token(request)
             body = await _read_json(request)
             engine = await self.slot.engine()
-            call = parse_body(body, endpoint, request.headers.get(REQUEST_ID_HEADER, ""), engine.info.model)
+            call = parse_body(body, endpoint, _header_text(request, REQUEST_ID_HEADER), engine.info.model)
             parsed = self._parse(call, engine, _deadline(request, started))
             request_id = parsed.request_id
             constraint = await engine.compile(parsed.response_format, parsed.request_id) \
@@ -244,8 +267,12 @@ class HttpFront:
             code = grpc.StatusCode.OK
         except EngineError as err:
             error = call.rename(err) if call is not None else err
-        except (asyncio.CancelledError, ConnectionResetError):  # the caller went away: CANCELLED, as over gRPC
+        except asyncio.CancelledError:  # the caller went away (aiohttp cancels the handler): CANCELLED, as over gRPC
             raise
+        except ConnectionResetError:
+            # it went away before aiohttp saw it, under a write: CANCELLED too. The answer goes back to
+            # aiohttp, which ends a dead connection's quietly (re-raised, aiohttp answers 500 and logs an error)
+            gone = True
         except Exception:  # the boundary's contract: a bug in one request's handling answers 500
             log.exception("request_internal_error", request_id=request_id, **ids)
             error = InternalError.build(request_id or "unassigned")
@@ -259,12 +286,17 @@ class HttpFront:
                                                           finish.value if finish is not None else None, self.slot.model))
             if self.cfg.log_text and handle is not None:
                 log_request_text(handle, self.slot.ready_engine().loaded.tokenizer, ids)
+        if gone:
+            return stream if stream is not None else web.Response(status=499, reason="Client Closed Request")
         if error is None:
             return answer
         if stream is not None and stream.prepared:  # the stream has begun: its end says what happened
-            await stream.write(_sse(to_http_error(error).body))
-            await stream.write(DONE)
-            await stream.write_eof()
+            try:
+                await stream.write(_sse(to_http_error(error).body))
+                await stream.write(DONE)
+                await stream.write_eof()
+            except ConnectionResetError:  # the caller went away meanwhile: there is no one to tell
+                pass
             return stream
         return error_response(error, request_id=request_id)
 
@@ -273,9 +305,7 @@ class HttpFront:
         context leaves after its prompt (up to --max-new-tokens), as vLLM gives it."""
         loaded, limits, msg = engine.loaded, engine.limits, call.message
         if call.endpoint == "chat" and loaded.chat_template is None:
-            raise InvalidField("messages", f"{len(msg.chat.messages)} messages",
-                               "messages need a model with a chat template, and this engine's model has none; "
-                               "send a prompt to /v1/completions")
+            raise InvalidField("messages", f"{len(msg.chat.messages)} messages", NO_TEMPLATE)
         if call.max_tokens_default and msg.max_new_tokens == 0:
             msg.max_new_tokens = limits.max_new_tokens_limit
             try:
@@ -340,7 +370,7 @@ class HttpFront:
         if self._expected is None or request.path in OPEN_PATHS:
             return None
         sent = request.headers.get("Authorization", "")
-        if hmac.compare_digest(sent.encode(), self._expected):
+        if hmac.compare_digest(sent.encode("utf-8", "surrogateescape"), self._expected):  # the bytes as sent
             return None
         why = "missing" if not sent else "invalid"
         log.warning("call_unauthenticated", method=request.path, credential=why, peer=request.remote or "")
@@ -354,13 +384,17 @@ class HttpFront:
 
 
 async def _read_json(request: web.Request) -> dict:  # type: ignore[type-arg]
+    limit = request.app._client_max_size  # aiohttp's own: the limit it enforces (--max-receive-bytes)
+    # a Content-Length past the limit is refused before reading: a caller that announces 10 MB and
+    # sends it slowly (or never) gets its 413 now, not once the limit's worth of bytes has come
+    if request.content_length is not None and request.content_length > limit:
+        raise RequestTooLarge(f"body must be at most {limit} bytes (--max-receive-bytes), got a "
+                              f"Content-Length of {request.content_length}")
     try:
         raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:  # past client_max_size, read as far as the limit
-        limit = request.app._client_max_size  # aiohttp's own: the limit it enforced
-        raise RequestTooLarge(f"body must be at most {limit} bytes (--max-receive-bytes), got "
-                              f"{request.content_length if request.content_length is not None else 'more'}"
-                              ) from None
+    except web.HTTPRequestEntityTooLarge:  # a chunked body past the limit, read as far as the limit
+        raise RequestTooLarge(f"body must be at most {limit} bytes (--max-receive-bytes), got more "
+                              f"(a chunked body)") from None
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -374,10 +408,16 @@ async def _read_json(request: web.Request) -> dict:  # type: ignore[type-arg]
     return body
 
 
-def _json_text(body: dict, name: str) -> str:  # type: ignore[type-arg]
-    value = body.get(name)
-    if not isinstance(value, str):
-        raise InvalidField(name, repr(value)[:80], f"{name} must be a string, got {json.dumps(value)[:80]}")
+def _header_text(request: web.Request, name: str) -> str:
+    """A header's value ("" when absent) as UTF-8 text. aiohttp reads header bytes that are not
+    UTF-8 as lone surrogates (surrogateescape), which no protobuf string field takes."""
+    value = request.headers.get(name, "")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidField(name, ascii(value[:80]), f"{name} must be UTF-8 text, got the bytes "
+                                                    f"{value.encode('utf-8', 'surrogateescape')[:80]!r}, which are "
+                                                    f"not (at byte {err.start})") from None
     return value
 
 

@@ -117,11 +117,21 @@ def _int(body: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
 
 def _float(body: Mapping[str, Any], name: str) -> float | None:
     value = body.get(name)
-    if value is None:
-        return None
+    return None if value is None else _number(value, name)
+
+
+def _number(value: object, name: str) -> float:
+    """A JSON number as a float; an integer past the largest float (1e400 written without a point
+    is an int to json.loads, not inf) is refused by name, not left to float()'s OverflowError."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise _wrong(name, value, "a number")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        digits = len(str(abs(value)))
+        raise InvalidField(name, f"an integer of {digits} digits",
+                           f"{name} must be a number a double holds (at most about 1.8e308), got an integer "
+                           f"of {digits} digits") from None
 
 
 def _bool(body: Mapping[str, Any], name: str) -> bool | None:
@@ -133,7 +143,7 @@ def _bool(body: Mapping[str, Any], name: str) -> bool | None:
     return value
 
 
-def _text(value: object, name: str) -> str:
+def json_text(value: object, name: str) -> str:
     """A JSON string that is UTF-8 (JSON's \\ud800 escapes can make one that is not)."""
     if not isinstance(value, str):
         raise _wrong(name, value, "a string")
@@ -161,7 +171,7 @@ def parse_body(body: object, endpoint: Endpoint, request_id: str, model: str) ->
         raise _wrong("body", body, "a JSON object")
     msg = pb.DecodeRequest(request_id=request_id)
     named = body.get("model")
-    if named is not None and _text(named, "model") != model:
+    if named is not None and json_text(named, "model") != model:
         raise InvalidField("model", named[:80], f"model must be {model!r} (the one this engine serves) or absent, "
                                                 f"got {named[:80]!r}")
     _refuse_unless(body, "n", lambda v: v == 1, "must be 1 (one choice per request is served)")
@@ -185,7 +195,7 @@ def parse_body(body: object, endpoint: Endpoint, request_id: str, model: str) ->
     if stop is not None:
         if not isinstance(stop, list):
             raise _wrong("stop", stop, "a string or an array of strings")
-        msg.stop.extend(_text(s, f"stop[{i}]") for i, s in enumerate(stop))
+        msg.stop.extend(json_text(s, f"stop[{i}]") for i, s in enumerate(stop))
     ids = body.get("stop_token_ids")  # vLLM's
     if ids is not None:
         msg.stop_token_ids.extend(_token_ids(ids, "stop_token_ids", allow_empty=True))
@@ -221,7 +231,7 @@ def _prompt(prompt: object, msg: pb.DecodeRequest) -> None:
                                f"prompt must be one prompt (several in one request are not served), got {len(prompt)}")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        msg.prompt_text = _text(prompt, "prompt")
+        msg.prompt_text = json_text(prompt, "prompt")
         return
     if not isinstance(prompt, list):
         raise _wrong("prompt", prompt, "a string or an array of token ids")
@@ -249,7 +259,7 @@ def _messages(messages: object, msg: pb.DecodeRequest) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _wrong(f"messages[{i}]", message, "an object with role and content")
-        role = _text(message.get("role"), f"messages[{i}].role")
+        role = json_text(message.get("role"), f"messages[{i}].role")
         chat.messages.add(role=role, content=_content(message.get("content"), f"messages[{i}].content"))
 
 
@@ -258,7 +268,7 @@ def _content(content: object, name: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return _text(content, name)
+        return json_text(content, name)
     if not isinstance(content, list):
         raise _wrong(name, content, "a string or an array of text parts")
     texts = []
@@ -268,7 +278,7 @@ def _content(content: object, name: str) -> str:
             raise InvalidField(f"{name}[{i}]", str(kind)[:80],
                                f"{name}[{i}] must be a text part ({{\"type\": \"text\", \"text\": ...}}; this model "
                                f"reads text only), got {str(kind)[:80]!r}")
-        texts.append(_text(part.get("text"), f"{name}[{i}].text"))
+        texts.append(json_text(part.get("text"), f"{name}[{i}].text"))
     return "".join(texts)
 
 
@@ -294,9 +304,7 @@ def _sampling(body: Mapping[str, Any], sampling: pb.SamplingParams) -> None:
         for key, value in bias.items():
             if not re.fullmatch(r"\d{1,10}", key) or int(key) > UINT32:
                 raise InvalidField("logit_bias", key[:80], f"logit_bias keys must be token ids, got {key[:80]!r}")
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise _wrong(f"logit_bias[{key}]", value, "a number")
-            sampling.logit_bias[int(key)] = float(value)
+            sampling.logit_bias[int(key)] = _number(value, f"logit_bias[{key}]")
 
 
 def _logprobs(body: Mapping[str, Any], endpoint: Endpoint) -> tuple[bool, int]:
