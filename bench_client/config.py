@@ -84,6 +84,10 @@ command = ["{python}", "-m", "engine_service", "--model", "smollm2", "--host", "
 api = "openai"
 command = ["{llama_server}", "-m", "{smollm2_gguf}", "--no-repack", "--host", "127.0.0.1", "--port", "{port}", "-np", "32"]
 grid = { threads = [2] }
+[servers.engine-http]               # this engine over its OpenAI-compatible HTTP front (bench_client/fronts.toml)
+api = "openai"
+command = ["{python}", "-m", "engine_service", "--model", "smollm2", "--host", "127.0.0.1", "--port", "0",
+           "--http-port", "{port}"]
 ```
 
 Relative paths are relative to the configuration file.

@@ -6,8 +6,11 @@ The port: an engine.v1 server is started with `{port}` = 0 and binds a free port
 runner reads the port from its `server_started` log line (as tools/local_engine.py does), so no
 other process can take the port between choosing and binding it. A restart binds the same port
 again, so the sweep's client keeps its target. An OpenAI-compatible server is given a port the
-runner found free (llama-server and its kind do not report a port they chose).
-Health is the adapter's: engine.v1's gRPC health service, or `GET /health` answering 200.
+runner found free (llama-server and its kind do not report a port they chose); so is this engine
+over its HTTP front (`api = "openai"`, `--http-port {port}` beside `--port 0`: a gRPC port of its
+own, any free one, that the sweep does not use; bench_client/fronts.toml).
+Health is the adapter's: engine.v1's gRPC health service, or `GET /health` answering 200 (this
+engine's HTTP front answers 503 while it loads, drains or has failed).
 """
 
 from __future__ import annotations

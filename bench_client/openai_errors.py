@@ -8,6 +8,32 @@ a skip of the point only when it says what it refused. Every exception it return
 where its class's own code would misstate it, so that `shared.errors.wire_code` reads "HTTP_429"
 and `bench_client.policy` decides on the class (or, for TransportError, on the code).
 
+This engine's own HTTP front (engine_service/transport/http_front.py) answers with the body of
+`shared.errors.to_http_error`: `{"error": {"message", "type", "param", "code", "metadata"}}`, the
+ErrorInfo reason as `type` and its metadata as `metadata`. A non-200 answer or an error frame of
+that shape whose `type` is one of engine.v1's reasons and whose status (a frame's `code`) is that
+reason's HTTP status is read back first, by `shared.errors.from_http_error`: the reason's class,
+with the metadata as sent (no httpStatus or errorType added: the same as over gRPC), so that each
+reason is decided as it is over gRPC, whichever front served it:
+
+| HTTP | `type`                  | exception                                   | policy: before / after the first token |
+|------|-------------------------|---------------------------------------------|----------------------------------------|
+| 400  | INVALID_FIELD           | InvalidField (`param` its field)            | SKIP_POINT / COUNT_FAILED              |
+| 400  | CONTEXT_LENGTH_EXCEEDED | ContextLengthExceeded (numbers: `metadata`, | SKIP_POINT / COUNT_FAILED              |
+|      |                         | else the message's)                         |                                        |
+| 401  | UNAUTHENTICATED         | Unauthenticated                             | STOP_SWEEP                             |
+| 408  | DEADLINE_EXCEEDED       | DeadlineExceeded                            | COUNT_FAILED                           |
+| 429  | QUEUE_FULL              | QueueFull (Retry-After)                     | RETRY_AFTER_BACKOFF / COUNT_FAILED     |
+| 500  | SEQUENCE_ABORTED        | SequenceError                               | COUNT_FAILED                           |
+| 500  | INTERNAL                | InternalError                               | COUNT_FAILED                           |
+| 503  | ENGINE_DRAINING         | EngineDraining (Retry-After)                | WAIT_FOR_HEALTH_THEN_RETRY / COUNT_FAILED |
+| 503  | EngineUnavailable       | EngineUnavailable (a fatal engine error)    | WAIT_FOR_HEALTH_THEN_RETRY / COUNT_FAILED |
+| 499  | Cancelled               | Cancelled                                   | WAIT_FOR_HEALTH_THEN_RETRY / COUNT_FAILED |
+| 413  | RequestTooLarge         | RequestTooLarge (RESOURCE_EXHAUSTED)        | SKIP_POINT / COUNT_FAILED              |
+
+(The last three are the classes the engine sends without a reason, by their name.) Any other body
+is another server's, classified by this table:
+
 | HTTP status                      | exception               | status_code_of       | policy, before the first token |
 |----------------------------------|-------------------------|----------------------|--------------------------------|
 | 400, 413, 422: a context wording | ContextLengthExceeded   | INVALID_ARGUMENT     | SKIP_POINT                     |
@@ -29,6 +55,7 @@ and `bench_client.policy` decides on the class (or, for TransportError, on the c
 | refused, reset, cut              | EngineUnavailable       | UNAVAILABLE          | WAIT_FOR_HEALTH_THEN_RETRY     |
 
 A StreamError's http_status is the frame's code (None when it has none); EngineUnavailable has none.
+An error frame of this engine is its reason's class (SEQUENCE_ABORTED: SequenceError), not StreamError.
 A mid-stream failure is COUNT_FAILED whatever its class (STOP_SWEEP for credentials).
 
 TGI refuses a streamed request inside its stream: a 200 answer whose first event is
@@ -41,6 +68,8 @@ refused top_p or context skips the point as a 422 does.
 The context wordings recognised (the numbers are read from them into `promptTokens`,
 `maxContextTokens` and, where given, `maxNewTokens`):
 
+- this engine: vLLM's first sentence below (shared.errors.http_message), and its own "prompt_tokens
+  + max_new_tokens must be <= max_context_tokens M, got N + K = T";
 - llama-server: `"type": "exceed_context_size_error"` (with `n_prompt_tokens`, `n_ctx`), or "request
   (N tokens) exceeds the available context size (M tokens)", "input (N tokens) is larger than the max
   context size (M tokens)";
@@ -84,6 +113,7 @@ from shared.errors import (
     StreamError,
     TransportError,
     Unauthenticated,
+    from_http_error,
 )
 
 MESSAGE_LIMIT = 500
@@ -100,6 +130,9 @@ _CODES: Mapping[int, grpc.StatusCode] = {
 
 # Each names the numbers it reads: prompt (promptTokens), context (maxContextTokens), new (maxNewTokens).
 _CONTEXT_WORDINGS: tuple[re.Pattern[str], ...] = tuple(re.compile(p, re.IGNORECASE) for p in (
+    # this engine (shared.errors.ContextLengthExceeded.build; over HTTP vLLM's sentence comes first)
+    r"prompt_tokens \+ max_new_tokens must be <= max_context_tokens (?P<context>\d+), got (?P<prompt>\d+) \+ "
+    r"(?P<new>\d+)",
     # llama-server
     r"request \((?P<prompt>\d+) tokens\) exceeds the available context size \((?P<context>\d+) tokens\)",
     r"input \((?P<prompt>\d+) tokens\) is larger than the max context size \((?P<context>\d+) tokens\)",
@@ -172,6 +205,9 @@ def from_http_response(status: int, headers: Mapping[str, str], body: bytes | st
     """The domain exception for an answer with HTTP status `status` (not 200), as the table of this
     module's docstring says. `now` is the time a Retry-After date is measured from (default: now)."""
     info = read_error_body(body)
+    ours = _engine_error(status, info, retry_after(headers, now=now))
+    if ours is not None:
+        return ours
     metadata: dict[str, object] = {"httpStatus": status}
     if info.type:
         metadata["errorType"] = info.type
@@ -197,11 +233,15 @@ def from_http_response(status: int, headers: Mapping[str, str], body: bytes | st
     return err
 
 
-def from_error_frame(payload: Mapping[str, Any]) -> StreamError:
+def from_error_frame(payload: Mapping[str, Any]) -> EngineError:
     """The StreamError for an error frame inside a 200 event stream: `{"error": {...}}` (llama-server,
     vLLM, SGLang), `{"error": "...", "error_type": ...}` (TGI), or the error object itself. Its
-    http_status is the frame's code when it has one (llama-server sends 500, for instance)."""
+    http_status is the frame's code when it has one (llama-server sends 500, for instance). This
+    engine's frame is its reason's class instead (`_engine_error`: SEQUENCE_ABORTED, ENGINE_DRAINING...)."""
     info = read_error_body(payload)
+    ours = _engine_error(info.code, info, None)
+    if ours is not None:
+        return ours
     metadata: dict[str, object] = {}
     if info.type:
         metadata["errorType"] = info.type
@@ -226,7 +266,7 @@ def from_first_error_frame(payload: Mapping[str, Any]) -> EngineError:
     (`error_type` "validation" / "overloaded", or its OpenAI-shaped frame `{"error": {"message",
     "http_status_code"}}` worded "Input validation error: ..." / "Model is overloaded") as
     `from_http_response` gives them for TGI's status outside a stream (422, 429); any other frame is
-    `from_error_frame`'s StreamError."""
+    `from_error_frame`'s exception (this engine's reason's class, else StreamError)."""
     info = read_error_body(payload)
     kind = info.type if info.type in _TGI_FRAME_STATUS else None
     error = payload.get("error")
@@ -235,6 +275,22 @@ def from_first_error_frame(payload: Mapping[str, Any]) -> EngineError:
     if kind is None:
         return from_error_frame(payload)
     return from_http_response(_TGI_FRAME_STATUS[kind], {}, json.dumps({"error": info.message, "error_type": kind}))
+
+
+def _engine_error(status: int | None, info: ErrorBody, retry_delay: float | None) -> EngineError | None:
+    """This engine's answer (`type` one of its reasons, with that reason's status) as the reason's
+    class, by `shared.errors.from_http_error`; None for any other server's. A context refusal whose
+    metadata lacks a number gets it from the message (vLLM's sentence, or the engine's own)."""
+    fields = info.fields or {}
+    sent = fields.get("metadata")
+    metadata = {str(k): v if isinstance(v, str) else _dump(v) for k, v in sent.items()} \
+        if isinstance(sent, Mapping) else {}
+    err = from_http_error(status, info.type, info.message, metadata=metadata, field=json_str(fields.get("param")),
+                          retry_delay=retry_delay)
+    if isinstance(err, ContextLengthExceeded):
+        for name, number in (context_numbers(info) or {}).items():
+            err.metadata.setdefault(name, str(number))
+    return err
 
 
 def malformed_answer(url: str, body: bytes, why: str) -> TransportError:

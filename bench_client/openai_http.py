@@ -2,14 +2,17 @@
 probe (openai_server_info.py), the only modules of the client that speak HTTP.
 
 It serves the `ServerClient` protocol of `bench_client.server_api` for one base URL of
-llama-server, vLLM, SGLang or TGI. What it sends:
+llama-server, vLLM, SGLang, TGI or this engine's own HTTP front (--http-port). What it sends:
 
 - `decode` of a DecodeSpec: POST /v1/completions with `"prompt"` the spec's token ids (a list of
   ints: llama-server, vLLM, SGLang) or its text (a string: every server, TGI included, whose
   completions take strings only), or POST /v1/chat/completions with its `messages` (the server
   renders its chat template); both with the same sampling fields (`completion_body`, `chat_body`):
   max_tokens, temperature, top_p, top_k where > 0, seed, ignore_eos where set, `stream` and
-  `stream_options.include_usage`. `chat` (the preview) sends its ChatSpec through `chat_body` too;
+  `stream_options.include_usage`; the spec's request_id as the `X-Request-Id` header (vLLM's, which
+  this engine's HTTP front takes as the request's id, as engine.v1 takes `request_id`: its logs
+  name a request alike over both fronts). `chat` (the preview) sends its ChatSpec through
+  `chat_body` too;
 - `tokenize`: POST /tokenize with one body that each server reads its own field of (`content`:
   llama-server, which adds no BOS by default; `prompt` with `add_special_tokens: false`: vLLM;
   `inputs`: TGI, which adds its tokenizer's special tokens: those with an empty span are dropped);
@@ -74,6 +77,7 @@ tracer = trace.get_tracer("bench_client")
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 TOKENIZE = "/tokenize"
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
 class OpenAIClient:
@@ -135,17 +139,20 @@ class OpenAIClient:
         if spec.prompt_token_ids:
             span_attributes["gen_ai.usage.input_tokens"] = len(spec.prompt_token_ids)
         if spec.messages:
-            return self._stream(CHAT_COMPLETIONS, chat_body(spec, self._model), timeout, chat=True, attributes={
-                "gen_ai.operation.name": "chat", **span_attributes, **(attributes or {})})
-        return self._stream(COMPLETIONS, completion_body(spec, self._model), timeout, chat=False, attributes={
-            "gen_ai.operation.name": "text_completion", **span_attributes, **(attributes or {})})
+            return self._stream(CHAT_COMPLETIONS, chat_body(spec, self._model), timeout, chat=True,
+                                request_id=spec.request_id, attributes={
+                                    "gen_ai.operation.name": "chat", **span_attributes, **(attributes or {})})
+        return self._stream(COMPLETIONS, completion_body(spec, self._model), timeout, chat=False,
+                            request_id=spec.request_id, attributes={
+                                "gen_ai.operation.name": "text_completion", **span_attributes, **(attributes or {})})
 
     def chat(self, spec: ChatSpec, *, timeout: float) -> DecodeStream:
         """Stream the answer to chat messages (POST /v1/chat/completions: the server renders its
         chat template), as `decode` streams."""
-        return self._stream(CHAT_COMPLETIONS, chat_body(spec, self._model), timeout, chat=True, attributes={
-            "gen_ai.operation.name": "chat", "gen_ai.request.max_tokens": spec.max_new_tokens,
-            "bench.request.id": spec.request_id})
+        return self._stream(CHAT_COMPLETIONS, chat_body(spec, self._model), timeout, chat=True,
+                            request_id=spec.request_id, attributes={
+                                "gen_ai.operation.name": "chat", "gen_ai.request.max_tokens": spec.max_new_tokens,
+                                "bench.request.id": spec.request_id})
 
     async def tokenize(self, text: str, timeout: float = 10.0) -> list[int]:
         """The ids the server's tokenizer gives `text` alone, without the special tokens it would
@@ -169,18 +176,18 @@ class OpenAIClient:
                 raise transport_failure(url, exc) from exc
         return token_ids_from(payload, url)
 
-    def _stream(self, route: str, body: Mapping[str, Any], timeout: float, *, chat: bool,
+    def _stream(self, route: str, body: Mapping[str, Any], timeout: float, *, chat: bool, request_id: str,
                 attributes: Mapping[str, AttributeValue]) -> DecodeStream:
         stream = DecodeStream()
-        stream._chunks = self._chunks(route, body, timeout, chat, attributes, stream)
+        stream._chunks = self._chunks(route, body, timeout, chat, request_id, attributes, stream)
         return stream
 
-    async def _chunks(self, route: str, body: Mapping[str, Any], timeout: float, chat: bool,
+    async def _chunks(self, route: str, body: Mapping[str, Any], timeout: float, chat: bool, request_id: str,
                       attributes: Mapping[str, AttributeValue], stream: DecodeStream) -> AsyncIterator[Chunk]:
         url = self.base_url + route
         # Not made current: an async generator may be finished in another context than it started in.
         span = tracer.start_span(f"POST {route}", kind=trace.SpanKind.CLIENT)
-        headers: dict[str, str] = {}
+        headers: dict[str, str] = {REQUEST_ID_HEADER: request_id}
         if span.is_recording():
             split = urlsplit(url)
             span.set_attributes({"http.request.method": "POST", "url.full": url,

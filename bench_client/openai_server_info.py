@@ -1,7 +1,8 @@
 """What an OpenAI-compatible server says about itself, asked over the adapter's connections: whether
 it serves (GET /health answers 200; llama-server answers 503 while it loads the model) and what it
 is: llama-server's /props and /v1/models (`meta.n_vocab`), vLLM's and SGLang's /v1/models
-(`max_model_len`) and /version, TGI's /info; a plain OpenAI server answers /v1/models alone. The
+(`max_model_len`) and /version, TGI's /info; a plain OpenAI server answers /v1/models alone, and so
+does this engine's HTTP front (with `max_model_len`; its vocabulary it does not say). The
 answers are read by bench_client/openai_json.py's `server_info_from`."""
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ out (pure; the HTTP adapter, bench_client/openai_http.py, feeds it the events as
   (`usage.prompt_tokens_details.cached_tokens`, or llama-server's `timings.cache_n`) and
   server_timings;
 - `data: [DONE]` ends the answer. An error frame (`data: {"error": ...}`) raises StreamError, after
-  the chunks before it (one that is the answer's first event, before any token, is classified by
+  the chunks before it (this engine's frame raises its reason's class: SequenceError,
+  EngineDraining...; one that is the answer's first event, before any token, is classified by
   `from_first_error_frame`: TGI refuses a streamed request so, top_p 1.0 included); an event whose
   data is not a JSON object raises StreamError (http_status 200).
 """

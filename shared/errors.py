@@ -4,11 +4,12 @@ and to an HTTP status and OpenAI-shaped error body.
 Each exception class declares its status code, its HTTP status (`http_code`) and its ErrorInfo
 reason, so the classes *are* the table (as in google-api-core): servers turn an exception into a
 status with `to_status` (gRPC) or `to_http_error` (the engine's OpenAI-compatible HTTP front),
-clients turn a `grpc.RpcError` back into the exception with `from_rpc_error`. The bench client's HTTP
-adapter (bench_client/openai_errors.py) is the other door in: it turns an OpenAI-compatible
-server's answer into the same classes, with the HTTP status it came with (`http_status`), so that
-one policy table decides for both protocols. The classes after `Statuses that travel without our
-details` are the client's alone: no engine sends their reasons.
+clients turn a `grpc.RpcError` back into the exception with `from_rpc_error`, and the HTTP front's
+answer back with `from_http_error`. The bench client's HTTP adapter (bench_client/openai_errors.py)
+is the other door in: it turns any OpenAI-compatible server's answer into the same classes (this
+engine's by `from_http_error`, the others' by status and wording), with the HTTP status it came
+with (`http_status`), so that one policy table decides for both protocols. The classes after
+`Statuses that travel without our details` are the client's alone: no engine sends their reasons.
 """
 
 from __future__ import annotations
@@ -401,3 +402,23 @@ def to_http_error(err: EngineError, param: str | None = None) -> HttpError:
     if isinstance(err, Unauthenticated):
         headers["WWW-Authenticate"] = "Bearer"
     return HttpError(status, body, headers)
+
+
+# The `type` of the engine's HTTP bodies (to_http_error): the ErrorInfo reason, else the class name.
+BY_HTTP_TYPE: Mapping[str, type[EngineError]] = {
+    **BY_REASON, **{cls.__name__: cls for cls in (EngineUnavailable, Cancelled, RequestTooLarge)}}
+
+
+def from_http_error(status: int | None, type_: str | None, message: str, *, metadata: Mapping[str, object],
+                    field: str | None = None, retry_delay: float | None = None) -> EngineError | None:
+    """The exception that an answer of the engine's HTTP front stands for, `to_http_error` read
+    back: the class whose ErrorInfo reason is the body's `type` (or, for the three the engine sends
+    without a reason, whose name is: EngineUnavailable, Cancelled, RequestTooLarge), where `status`
+    (the HTTP status, or an error frame's `code`) is that class's `http_code`; with its `metadata`
+    as sent, `param` as `field`, Retry-After as `retry_delay`, and `http_status` set. None for any
+    other answer (another server's, or a known type with another status: a proxy's rewrite), which
+    the caller classifies by its status and wording."""
+    cls = BY_HTTP_TYPE.get(type_ or "")
+    if cls is None or status != cls.http_code:
+        return None
+    return _rebuild(cls, message, metadata, retry_delay, field, status)

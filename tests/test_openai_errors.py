@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import email.utils
 import json
+import math
 
 import grpc
 import pytest
@@ -15,6 +16,7 @@ from bench_client.openai_errors import (
     client_timeout,
     code_for_status,
     from_error_frame,
+    from_first_error_frame,
     from_http_response,
     malformed_event,
     retry_after,
@@ -22,17 +24,29 @@ from bench_client.openai_errors import (
 )
 from bench_client.policy import Action, decide
 from shared.errors import (
+    BY_HTTP_TYPE,
+    BY_REASON,
     BadRequest,
+    Cancelled,
     ClientTimeout,
     ContextLengthExceeded,
+    DeadlineExceeded,
+    EngineDraining,
     EngineError,
     EngineUnavailable,
+    InternalError,
+    InvalidField,
     PermissionDenied,
     QueueFull,
+    RequestTooLarge,
+    SequenceError,
     StreamError,
     TransportError,
     Unauthenticated,
+    from_http_error,
+    http_message,
     status_code_of,
+    to_http_error,
     wire_code,
 )
 
@@ -234,3 +248,97 @@ def test_client_timeout_names_the_url_and_the_timeout() -> None:
 def test_the_statuses_of_a_route_not_served() -> None:
     assert NOT_SERVED == {404, 405, 501}
     assert all(code_for_status(status) is grpc.StatusCode.UNIMPLEMENTED for status in NOT_SERVED)
+
+
+# -- this engine's own HTTP front: shared.errors.to_http_error read back ---------------------------
+
+OURS: list[EngineError] = [
+    InvalidField("max_tokens", 9000, "max_tokens must be <= 4096, got 9000"),
+    ContextLengthExceeded.build(300, 8, 256),
+    QueueFull.build(4, 4, 0.5),
+    SequenceError.build("r-1", 3, "injected sequence error at decode step 7"),
+    EngineDraining.build(30.0),
+    DeadlineExceeded.build("r-2", 5),
+    Unauthenticated("missing bearer token for /v1/completions", metadata={"scheme": "Bearer"}),
+    InternalError.build("r-3"),
+    EngineUnavailable("the engine stopped on a fatal error"),
+    Cancelled("the call was cancelled"),
+    RequestTooLarge("body must be at most 4194304 bytes (--max-receive-bytes), got 5000000"),
+]
+
+
+@pytest.mark.parametrize("sent", OURS, ids=[type(e).__name__ for e in OURS])
+def test_this_engines_answers_are_read_back_as_the_class_it_sent(sent: EngineError) -> None:
+    answer = to_http_error(sent)
+    got = from_http_response(answer.status, answer.headers, json.dumps(answer.body))
+    assert type(got) is type(sent)
+    assert got.message == http_message(sent)  # the front's words (vLLM's sentence first for the context)
+    assert got.metadata == sent.metadata and got.field == sent.field  # as over gRPC: no httpStatus added
+    assert got.http_status == answer.status == sent.http_code and wire_code(got) == f"HTTP_{sent.http_code}"
+    assert status_code_of(got) is sent.code
+    assert got.retry_delay == (math.ceil(sent.retry_delay) if sent.retry_delay is not None else None)
+    for seen in (False, True):  # the one policy table decides as for the gRPC front's exception
+        assert decide(got, first_token_seen=seen) is decide(sent, first_token_seen=seen)
+
+
+@pytest.mark.parametrize("sent", OURS, ids=[type(e).__name__ for e in OURS])
+def test_this_engines_error_frames_are_the_class_it_sent(sent: EngineError) -> None:
+    got = from_error_frame(to_http_error(sent).body)
+    assert type(got) is type(sent) and got.http_status == sent.http_code
+    assert got.metadata == sent.metadata and got.retry_delay is None  # a frame has no headers
+    assert decide(got, first_token_seen=True) is decide(sent, first_token_seen=True)
+
+
+def test_engine_draining_and_sequence_aborted_are_no_longer_a_full_queue_or_a_stream_error() -> None:
+    draining = http(503, to_http_error(EngineDraining.build(30.0)).body, {"Retry-After": "1"})
+    assert type(draining) is EngineDraining and draining.retry_delay == 1.0
+    assert draining.reason == "ENGINE_DRAINING" and status_code_of(draining) is grpc.StatusCode.UNAVAILABLE
+    assert decide(draining, first_token_seen=False) is Action.WAIT_FOR_HEALTH_THEN_RETRY
+    frame = from_first_error_frame(to_http_error(SequenceError.build("r", 1, "boom")).body)
+    assert type(frame) is SequenceError and frame.reason == "SEQUENCE_ABORTED"
+    assert frame.metadata == {"requestId": "r", "generatedTokens": "1", "cause": "boom"}
+
+
+def test_a_reason_with_another_status_is_classified_by_the_status() -> None:
+    # a proxy's rewrite, or another server that happens to use the word: the status decides
+    rewritten = http(500, {"error": {"message": "draining", "type": "ENGINE_DRAINING", "code": 500}})
+    assert type(rewritten) is TransportError and status_code_of(rewritten) is grpc.StatusCode.INTERNAL
+    assert rewritten.metadata == {"httpStatus": "500", "errorType": "ENGINE_DRAINING"}
+    assert type(http(422, {"error": {"message": "m", "type": "INVALID_FIELD", "code": 422}})) is BadRequest
+    frame = from_error_frame({"error": {"message": "aborted", "type": "SEQUENCE_ABORTED"}})  # no code
+    assert type(frame) is StreamError and frame.http_status is None
+    assert type(http(429, {"error": {"message": "m", "type": "queue_full", "code": 429}})) is QueueFull
+    assert http(429, {"error": {"message": "m", "type": "queue_full"}}).metadata["errorType"] == "queue_full"
+
+
+def test_a_context_refusal_without_its_numbers_in_metadata_reads_them_from_the_message() -> None:
+    ours = "prompt_tokens + max_new_tokens must be <= max_context_tokens 256, got 301 + 8 = 309"
+    bare = http(400, {"error": {"message": ours, "type": "CONTEXT_LENGTH_EXCEEDED", "code": 400}})
+    assert type(bare) is ContextLengthExceeded
+    assert bare.metadata == {"promptTokens": "301", "maxNewTokens": "8", "maxContextTokens": "256"}
+    vllm = http(400, {"error": {"message": VLLM_MESSAGE, "type": "CONTEXT_LENGTH_EXCEEDED", "code": 400,
+                                "metadata": {"promptTokens": 1999}}})
+    assert vllm.metadata == {"promptTokens": "1999", "maxContextTokens": "2048", "maxNewTokens": "100"}  # sent wins
+    worded = http(400, {"error": {"message": f"refused: {ours}", "type": "BadRequestError", "code": 400}})
+    assert type(worded) is ContextLengthExceeded and worded.metadata["promptTokens"] == "301"  # the wording alone
+
+
+def test_this_engines_metadata_and_param_are_read_as_strings_whatever_json_sent() -> None:
+    odd = http(400, {"error": {"message": "m", "type": "INVALID_FIELD", "code": 400, "param": "top_p",
+                               "metadata": {"value": 1.5, "nested": {"a": [1]}, "field": "top_p"}}})
+    assert type(odd) is InvalidField and odd.field == "top_p"
+    assert odd.metadata == {"value": "1.5", "nested": '{"a": [1]}', "field": "top_p"}
+    listed = http(400, {"error": {"message": "m", "type": "INVALID_FIELD", "code": 400, "param": 7,
+                                  "metadata": ["not", "a", "mapping"]}})
+    assert type(listed) is InvalidField and listed.metadata == {} and listed.field is None
+
+
+def test_from_http_error_knows_the_engines_types_only() -> None:
+    assert from_http_error(400, None, "m", metadata={}) is None
+    assert from_http_error(400, "BadRequestError", "m", metadata={}) is None
+    assert from_http_error(None, "QUEUE_FULL", "m", metadata={}) is None
+    assert from_http_error(503, "StreamError", "m", metadata={}) is None  # the client's own classes are not sent
+    assert set(BY_HTTP_TYPE) == {*BY_REASON, "EngineUnavailable", "Cancelled", "RequestTooLarge"}
+    err = from_http_error(429, "QUEUE_FULL", "m", metadata={"queueDepth": 3}, field="f", retry_delay=2.0)
+    assert type(err) is QueueFull and (err.message, err.metadata, err.field, err.retry_delay, err.http_status) == (
+        "m", {"queueDepth": "3"}, "f", 2.0, 429)
