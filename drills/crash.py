@@ -3,7 +3,11 @@ under a supervisor that restarts it on the same port; the bench client sweeps ag
 each time the sweep stops (engine down too long) it is resumed once health is SERVING again,
 until it completes. (b) The bench client is killed with SIGKILL at random instants and resumed.
 Either way the final results.jsonl holds every point of the grid exactly once, with request
-counts that add up. Lost = points missing or duplicated, or counts that do not add up."""
+counts that add up. (c) An SSE stream of the HTTP front (--http-port) is in flight when the engine
+crashes the same way: it must end visibly (an error frame, or a connection cut before `data:
+[DONE]`), never as a clean-looking [DONE] over a truncated text, and /health, polled from the
+stream's end until the process is gone, never says 200; the process exits 70. Lost = points
+missing or duplicated, counts that do not add up, or an HTTP stream that ended as if whole."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import time
 from pathlib import Path
 
 from bench_client.server_process import free_port
+from drills import raw_http
 from drills.common import ROOT, EngineProcess, note
 from drills.grid import Grid
 from drills.row import Checks, DrillRow
@@ -26,6 +31,9 @@ from tools.local_engine import wait_serving
 NAME = "crash"
 KILL_SEED = 6
 SWEEP_TIMEOUT_S = 180.0
+FATAL_EXIT_CODE = 70
+HTTP_CRASH_STEP = 40  # decode steps: some 40 tokens into the stream
+HTTP_MAX_NEW = 400
 
 
 def sweep(config: Path, out: Path, resume: bool, log: Path) -> subprocess.Popen[bytes]:
@@ -118,8 +126,37 @@ def client_kills(work: Path, quick: bool, checks: Checks) -> tuple[int, dict[str
     return lost, {"client kill -9": kills, "kills mid-sweep": mid_sweep, "resumes after kill": resumes}
 
 
+def http_stream_crash(checks: Checks) -> tuple[int, dict[str, object]]:
+    """(c): one greedy SSE stream of HTTP_MAX_NEW tokens, the engine crashing HTTP_CRASH_STEP steps in."""
+    with EngineProcess("--model", "tiny", "--http-port", "0", "--fault", f"crash:step={HTTP_CRASH_STEP}") as engine:
+        port = raw_http.http_port(engine)
+        end = raw_http.completion_stream(port, "crash under me", HTTP_MAX_NEW, limit=30.0)
+        healths: list[int | str] = []  # what a load balancer polling /health sees while the process dies
+        while engine.proc is not None and engine.proc.poll() is None:
+            try:
+                healths.append(raw_http.exchange(port, raw_http.request("/health", None, method="GET"), limit=2.0
+                                                 ).status or "no answer")
+            except OSError as err:  # refused: the port is closed, the process on its way out
+                healths.append(type(err).__name__)
+            time.sleep(0.02)
+        code = engine.wait(10)
+    told = end.error is not None and isinstance(end.error.get("code"), int) and end.error["code"] >= 500
+    cut = not (end.done and end.complete)
+    visible = end.status == 200 and (told or cut) and end.finish is None and end.chunks < HTTP_MAX_NEW
+    checks.expect(visible, f"the HTTP stream in flight at the crash ended {end.short()}: an error frame or a cut "
+                           f"before [DONE] is due, and no finish_reason")
+    checks.expect(200 not in healths, f"/health said 200 after the crash: {healths[:10]}")
+    checks.expect(code == FATAL_EXIT_CODE, f"the engine crashed under the HTTP stream exited {code}, not "
+                                           f"{FATAL_EXIT_CODE}")
+    how = (f"error frame {end.error.get('type')}" if told and end.error else "cut") + \
+        (" then [DONE]" if end.done else "")
+    return int(not visible), {"HTTP stream at the crash": f"{how} after {end.chunks} chunks",
+                              "/health after the crash": ", ".join(sorted({str(h) for h in healths})) or "gone"}
+
+
 def run(quick: bool) -> DrillRow:
     checks = Checks()
+    lost_c, figures_c = http_stream_crash(checks)
     with tempfile.TemporaryDirectory(prefix="drill-crash-") as tmp:
         work = Path(tmp)
         lost_a, figures_a = engine_crashes(work, quick, checks)
@@ -129,9 +166,11 @@ def run(quick: bool) -> DrillRow:
         NAME,
         done=f"(a) sweep against an engine run with --fault crash:step=N under a restarting supervisor (same port), "
              f"resumed after each stop; (b) bench client killed with SIGKILL at {figures_b['client kill -9']} random "
-             f"instants (seed {KILL_SEED}), each followed by --resume",
+             f"instants (seed {KILL_SEED}), each followed by --resume; (c) an HTTP SSE stream in flight when the "
+             f"engine crashes (--fault crash:step={HTTP_CRASH_STEP}), /health polled until the process is gone",
         expected="the sweep completes; results.jsonl holds every point exactly once; completed + failed == "
-                 "requests_per_point for each ok/failed point",
-        lost=lost_a + lost_b,
-        figures={**figures_a, **figures_b, "resumes tested": resumes},
+                 "requests_per_point for each ok/failed point; the HTTP stream ends in an error frame or a cut, "
+                 "never a clean [DONE]; /health never 200 after the crash; exit 70",
+        lost=lost_a + lost_b + lost_c,
+        figures={**figures_a, **figures_b, **figures_c, "resumes tested": resumes},
     )
