@@ -104,7 +104,7 @@ def test_messages_forms() -> None:
     ("max_tokens", 2**32, "max_tokens must be an integer in 0..4294967295, got 4294967296"),
     ("temperature", "hot", 'temperature must be a number, got a string "hot"'),
     ("temperature", True, "temperature must be a number, got a boolean true"),
-    ("top_p", [1], "top_p must be a number, got an array an array"),
+    ("top_p", [1], "top_p must be a number, got an array"),
     ("top_k", -2, "top_k must be an integer in -1..2147483647, got -2"),
     ("seed", -1, "seed must be an integer in 0..18446744073709551615, got -1"),
     ("min_tokens", "3", 'min_tokens must be an integer, got a string "3"'),
@@ -113,10 +113,15 @@ def test_messages_forms() -> None:
     ("stop", 5, "stop must be a string or an array of strings, got an integer 5"),
     ("stop", ["a", 5], "stop[1] must be a string, got an integer 5"),
     ("stop_token_ids", [-1], "stop_token_ids[0] must be a token id (an integer >= 0), got an integer -1"),
-    ("logit_bias", [1], "logit_bias must be an object of token id -> bias, got an array an array"),
+    ("logit_bias", [1], "logit_bias must be an object of token id -> bias, got an array"),
     ("logit_bias", {"-1": 1}, "logit_bias keys must be token ids, got '-1'"),
     ("logit_bias", {"99999999999": 1}, "logit_bias keys must be token ids, got '99999999999'"),
     ("logit_bias", {"1": "x"}, 'logit_bias[1] must be a number, got a string "x"'),
+    ("logit_bias", {"\u0663": 1}, "logit_bias keys must be token ids, got '\u0663'"),
+    ("top_p", 0, "top_p must be in (0, 1], got 0.0"),
+    ("repetition_penalty", 0, "repetition_penalty must be in (0, 10], got 0.0"),
+    ("max_tokens", 10**50, "max_tokens must be an integer in 0..4294967295, got an integer of 51 digits"),
+    ("seed", -(10**45), "seed must be an integer in 0..18446744073709551615, got an integer of 46 digits"),
     ("n", 2, "n must be 1 (one choice per request is served), got 2"),
     ("best_of", 3, "best_of must be 1 (one choice per request is served), got 3"),
     ("tools", [{"type": "function"}], 'tools are not served (no tool calling), got [{"type": "function"}]'),
@@ -187,7 +192,7 @@ def test_response_formats() -> None:
 
 def test_the_body_must_be_an_object() -> None:
     err = refusal("completions", [1])
-    assert (err.field, err.message) == ("body", "body must be a JSON object, got an array an array")
+    assert (err.field, err.message) == ("body", "body must be a JSON object, got an array")
 
 
 class Words:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine.v1 import engine_pb2 as pb
+from engine_service.requests import MAX_REPETITION_PENALTY
 from shared.errors import EngineError, InvalidField, _rebuild
 
 Endpoint = Literal["completions", "chat"]
@@ -33,6 +34,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/compl
 UINT32 = 2**32 - 1
 UINT64 = 2**64 - 1
 INT32 = 2**31 - 1
+# Sampling fields whose 0 engine.v1 reads as "unset": a body's 0 is refused in Request.parse's words.
+UNSET_AT_ZERO = {"top_p": "in (0, 1]", "repetition_penalty": f"in (0, {MAX_REPETITION_PENALTY:g}]"}
 CONTENT_PART_TEXT = "text"
 
 # engine.v1 field -> the body's, for names the two fronts spell differently (longest first in
@@ -98,8 +101,16 @@ def _kind(value: object) -> str:
 
 
 def _wrong(name: str, value: object, expected: str) -> InvalidField:
-    shown = json.dumps(value)[:80] if not isinstance(value, (dict, list)) else _kind(value)
+    if isinstance(value, (dict, list)):  # its kind says enough; its text could be megabytes
+        return InvalidField(name, _kind(value), f"{name} must be {expected}, got {_kind(value)}")
+    shown = json.dumps(value)[:80]
     return InvalidField(name, shown, f"{name} must be {expected}, got {_kind(value)} {shown}")
+
+
+def _shown(value: int) -> str:
+    """An integer for a message: itself, or its size when it is long (a 400-digit one, say)."""
+    text = str(value)
+    return text if len(text) <= 40 else f"an integer of {len(text.lstrip('-'))} digits"
 
 
 def _int(body: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
@@ -111,7 +122,7 @@ def _int(body: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise _wrong(name, value, "an integer")
     if not low <= value <= high:
-        raise InvalidField(name, value, f"{name} must be an integer in {low}..{high}, got {value}")
+        raise InvalidField(name, _shown(value), f"{name} must be an integer in {low}..{high}, got {_shown(value)}")
     return value
 
 
@@ -287,6 +298,8 @@ def _sampling(body: Mapping[str, Any], sampling: pb.SamplingParams) -> None:
     sampling.temperature = 1.0 if temperature is None else temperature
     for name in ("top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         value = _float(body, name)
+        if value == 0.0 and name in UNSET_AT_ZERO:  # the engine's 0 is "unset"; the body's is a value, refused
+            raise InvalidField(name, value, f"{name} must be {UNSET_AT_ZERO[name]}, got {value}")
         if value is not None:
             setattr(sampling, name, value)
     top_k = _int(body, "top_k", -1, INT32)
@@ -302,7 +315,7 @@ def _sampling(body: Mapping[str, Any], sampling: pb.SamplingParams) -> None:
         if not isinstance(bias, dict):
             raise _wrong("logit_bias", bias, "an object of token id -> bias")
         for key, value in bias.items():
-            if not re.fullmatch(r"\d{1,10}", key) or int(key) > UINT32:
+            if not re.fullmatch(r"[0-9]{1,10}", key) or int(key) > UINT32:
                 raise InvalidField("logit_bias", key[:80], f"logit_bias keys must be token ids, got {key[:80]!r}")
             sampling.logit_bias[int(key)] = _number(value, f"logit_bias[{key}]")
 
