@@ -281,6 +281,8 @@ def _engine_error(status: int | None, info: ErrorBody, retry_delay: float | None
     """This engine's answer (`type` one of its reasons, with that reason's status) as the reason's
     class, by `shared.errors.from_http_error`; None for any other server's. A context refusal whose
     metadata lacks a number gets it from the message (vLLM's sentence, or the engine's own)."""
+    if info.type is None:
+        return None
     fields = info.fields or {}
     sent = fields.get("metadata")
     metadata = {str(k): v if isinstance(v, str) else _dump(v) for k, v in sent.items()} \

@@ -409,7 +409,7 @@ BY_HTTP_TYPE: Mapping[str, type[EngineError]] = {
     **BY_REASON, **{cls.__name__: cls for cls in (EngineUnavailable, Cancelled, RequestTooLarge)}}
 
 
-def from_http_error(status: int | None, type_: str | None, message: str, *, metadata: Mapping[str, object],
+def from_http_error(status: int | None, type_: str, message: str, *, metadata: Mapping[str, object],
                     field: str | None = None, retry_delay: float | None = None) -> EngineError | None:
     """The exception that an answer of the engine's HTTP front stands for, `to_http_error` read
     back: the class whose ErrorInfo reason is the body's `type` (or, for the three the engine sends
@@ -418,7 +418,7 @@ def from_http_error(status: int | None, type_: str | None, message: str, *, meta
     as sent, `param` as `field`, Retry-After as `retry_delay`, and `http_status` set. None for any
     other answer (another server's, or a known type with another status: a proxy's rewrite), which
     the caller classifies by its status and wording."""
-    cls = BY_HTTP_TYPE.get(type_ or "")
+    cls = BY_HTTP_TYPE.get(type_)
     if cls is None or status != cls.http_code:
         return None
     return _rebuild(cls, message, metadata, retry_delay, field, status)

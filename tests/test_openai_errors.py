@@ -299,6 +299,14 @@ def test_engine_draining_and_sequence_aborted_are_no_longer_a_full_queue_or_a_st
     assert frame.metadata == {"requestId": "r", "generatedTokens": "1", "cause": "boom"}
 
 
+def test_this_engines_retry_after_may_be_a_date_measured_from_now() -> None:
+    now = datetime.datetime(2026, 12, 1, 12, 0, 0, tzinfo=datetime.UTC)
+    later = email.utils.format_datetime(now + datetime.timedelta(seconds=3), usegmt=True)
+    err = from_http_response(429, {"Retry-After": later}, json.dumps(to_http_error(QueueFull.build(1, 1, 0.5)).body),
+                             now=now)
+    assert type(err) is QueueFull and err.retry_delay == 3.0
+
+
 def test_a_reason_with_another_status_is_classified_by_the_status() -> None:
     # a proxy's rewrite, or another server that happens to use the word: the status decides
     rewritten = http(500, {"error": {"message": "draining", "type": "ENGINE_DRAINING", "code": 500}})
@@ -334,7 +342,7 @@ def test_this_engines_metadata_and_param_are_read_as_strings_whatever_json_sent(
 
 
 def test_from_http_error_knows_the_engines_types_only() -> None:
-    assert from_http_error(400, None, "m", metadata={}) is None
+    assert from_http_error(400, "", "m", metadata={}) is None
     assert from_http_error(400, "BadRequestError", "m", metadata={}) is None
     assert from_http_error(None, "QUEUE_FULL", "m", metadata={}) is None
     assert from_http_error(503, "StreamError", "m", metadata={}) is None  # the client's own classes are not sent
