@@ -344,7 +344,7 @@ class HttpFront:
         first = True
         while True:
             update = await handle.stream.next()
-            if update.error is not None:
+            if update.error is not None and not update.tokens:
                 raise update.error
             if not (update.text or update.tokens or update.finish is not None or update.prompt_logprobs):
                 continue
@@ -358,6 +358,8 @@ class HttpFront:
                 first = False
             await stream.write(_sse(shaper.chunk(text, logprobs, update.finish, _stop_reason(handle, update.finish))))
             first = False
+            if update.error is not None:  # after the tokens that came with it, as the gRPC front sends them
+                raise update.error
             if update.finish is not None:
                 if call.include_usage:
                     await stream.write(_sse(shaper.usage_chunk(_usage(handle))))
