@@ -213,7 +213,7 @@ async def test_the_engines_refusals_and_failures_decide_alike_over_both_fronts(
     # a sequence aborted after its first token: SEQUENCE_ABORTED (an error frame over HTTP), counted failed
     aborted = [await call(c, spec(doomed(f"abort-{i}"), new_tokens=16)) for i, c in enumerate(clients)]
     assert [type(o.error) for o in aborted] == [SequenceError, SequenceError]
-    assert all(o.action is Action.COUNT_FAILED for o in aborted), [(len(o.chunks), o.error) for o in aborted]
+    assert all(o.chunks and o.action is Action.COUNT_FAILED for o in aborted), [(o.chunks, o.error) for o in aborted]
     assert [o.error.metadata["generatedTokens"] for o in aborted if o.error] == ["1", "1"]
 
     # A full engine: two long streams running (one per front), one queued; then QUEUE_FULL on each
