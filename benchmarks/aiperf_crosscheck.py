@@ -1,15 +1,22 @@
-"""AIPerf, an independent benchmark client, against ours: the same llama-server, the same prompts.
+"""AIPerf, an independent benchmark client, against ours: the same server, the same prompts.
 
-    python benchmarks/aiperf_crosscheck.py [--short] [--requests N] [--prompt-tokens 128]
-        [--output-tokens 64] [--concurrency 1,8] [--server-nice N] [--out DIR] [--cache DIR]
+    python benchmarks/aiperf_crosscheck.py [--server llama-server|engine] [--short] [--requests N]
+        [--prompt-tokens 128] [--output-tokens 64] [--concurrency 1,8] [--server-nice N] [--out DIR]
+        [--cache DIR]
 
-One llama-server (the `make peers` build, bench_client.peers) serves the packaged SmolLM2 GGUF on
-one core (`taskset -c 0`, `-t 1`, `-np 8`, `-b 128`); each client runs on the other core (`taskset
--c 1`): AIPerf's own processes take most of a core, and a client on the server's core slows it. At
-each concurrency (1, 8) our client (`python -m bench_client sweep`) runs, then AIPerf (`aiperf
-profile`), each one warmup request and then N measured. The server keeps no prompt cache
-(`--no-cache-prompt --cache-ram 0`): the second client's prompts, and a measured one equal to the
-warmup's, are computed in full as the first time.
+One server serves the packaged SmolLM2 GGUF on one core (`taskset -c 0`, one thread, 8 sequences
+at once, at most 128 prompt tokens a step, no prompt cache):
+  --server llama-server (default): the `make peers` build (bench_client.peers), `-t 1`, `-np 8`,
+      `-b 128 -ub 128`, `--no-cache-prompt --cache-ram 0`;
+  --server engine: this engine's OpenAI-compatible HTTP front, `python -m engine_service --model
+      smollm2 --port 0 --http-port PORT --threads 1 --max-batch 8 --max-context 256
+      --max-prefill-tokens 128 --prefix-cache-tokens 0 --grace-seconds 5`.
+Each client runs on the other core (`taskset -c 1`): AIPerf's own processes take most of a core,
+and a client on the server's core slows it. At each concurrency (1, 8) our client (`python -m
+bench_client sweep`, `api = "openai"`) runs, then AIPerf (`aiperf profile --endpoint-type
+completions --streaming --use-server-token-count`), each one warmup request and then N measured,
+over the same HTTP. Without a prompt cache the second client's prompts, and a measured one equal
+to the warmup's, are computed in full as the first time.
 
 Prompts: N texts of exactly --prompt-tokens tokens (our random dataset, bench_client.datasets;
 counted again by the server's /tokenize), each for --output-tokens tokens, `ignore_eos`, greedy.
@@ -31,20 +38,28 @@ TTFT, its time per token for TPOT, ITL and throughput), when the ratio divided b
 ratio (`/ server`) is within 10%: the clients then measured the same work alike, and the server
 was what changed (on these 2-core machines AIPerf's busy-polling timing manager slows the
 server's core too; a run in CI showed TPOT 13.43 / 15.21 ms, 1.133, with the server's own time
-per token 13.55 / 15.24 ms, 1.125: 1.007 once divided). Both ratios are printed.
+per token 13.55 / 15.24 ms, 1.125: 1.007 once divided). Both ratios are printed. The server's own
+figures: llama-server's log (print_timing: medians of prompt eval ms and of eval ms per token,
+the warmup's among them); the engine's `request_finished` events (engine_service/transport/
+telemetry.py) of the measured requests, each the same statistic as the judged figure: the median
+ttft_s (from its acceptance, the queue wait included) for TTFT p50, the median and the mean of
+(duration_s - ttft_s) / (output_tokens - 1) for TPOT p50 and ITL mean, its output tokens over
+first start to last end for tok/s; its median prompt_tokens shown.
 ITL is judged by its mean, its p50 shown: when one network read carries several events, each
 client gives them all that read's time (gaps of 0), so how reads fall splits the gaps' distribution
 in two and its median jumps between the groups, while the mean (the same span over the same number
 of chunks) does not move (a CI run at c=8: ITL p50 87.1 / 78.4 ms, 0.900, with TPOT 151 / 150 ms,
 0.992).
 Shown, not judged: ITL p50, E2EL, output tokens per request, the durations, failures, our retries, the
-prompt tokens the server ran (its timings.prompt_n), and the server's own view of each client's
-requests (medians of its logged prompt eval ms and eval ms per token): where the clients disagree
-and the server's own figures differ alike, the server was slower, not a client wrong. Each run
+prompt tokens the server ran (llama-server's timings.prompt_n in our answers; the engine's logged
+prompt_tokens), and the server's own view of each client's requests (the medians above): where
+the clients disagree and the server's own figures differ alike, the server was slower, not a
+client wrong. Each run
 reports the cores other processes kept busy meanwhile; over 0.25 (`*`) its figures are not fit
 to compare (`--server-nice -N`, as root, keeps them off the server's core, and so crowds the
 clients' core). Exit 0 when every judged figure is within 10%, else 1 (the tables are printed as
-each concurrency ends). `--short` (CI): 8 requests at c=1, 16 at c=8; by default 24 and 32.
+each concurrency ends). `--short` (CI): 8 requests at c=1, 24 at c=8 (3 x c: Waves, below); by
+default 24 and 32.
 
 FINDINGS (AIPerf's source: site-packages/aiperf/ of its venv; llama.cpp: the vendored tree)
 - Definitions are ours: TTFT and request latency from the first and last content response
@@ -62,7 +77,8 @@ FINDINGS (AIPerf's source: site-packages/aiperf/ of its venv; llama.cpp: the ven
   AIPERF_HTTP_KEEPALIVE_TIMEOUT), llama-server closes them after 5 s idle (cpp-httplib,
   vendor/cpp-httplib/httplib.h:26): at c=8 the warmup's connection, idle through the first wave,
   was reused dead ("Can not write request body"), counted failed, not retried; the next wave ran 7.
-  AIPerf gets our 3 s (openai_pool.KEEPALIVE_TIMEOUT_S).
+  AIPerf gets our 3 s (openai_pool.KEEPALIVE_TIMEOUT_S), under the engine's 75 s too (aiohttp's
+  default keepalive_timeout; http_front.py sets none).
 - Arrivals: both start all C at once and send one more as each ends (AIPerf: timing/config.py:57
   CONCURRENCY_BURST, timing/intervals.py:207 zero intervals under a semaphore of C; no ramp unless
   --concurrency-ramp-duration; its warmup ends before profiling, timing/config.py:548). llama-server
@@ -71,6 +87,37 @@ FINDINGS (AIPerf's source: site-packages/aiperf/ of its venv; llama.cpp: the ven
   step early and its successor goes alone again), 3 + 5, 5 + 3, 6 + 2 for AIPerf, so TTFT and TPOT
   p50 fell in the late group for ours and the early one for AIPerf (0.72-0.77, 1.3-1.4). With -b
   128 the server computes the prompts one an iteration whatever the split: c=8 within 0.2-7%.
+- Waves: at c=8 the first 8 requests start at once and queue behind each other's prompts; each
+  later one starts as one ends, into a running batch, and waits for one prompt: its TTFT falls in
+  a band. A quiet run, 24 at c=8, ours sorted: llama-server's first wave 1291 3031 3944 4812 ...
+  8131 ms, its 16 successors 1109-3159 (2734-2801 in the second wave, 3089-3159 in the third);
+  the engine's first wave 233 456 681 918 ... 1898, its successors 271 299 and 474-530. With
+  2 x c requests (the old --short's 16) the successors are exactly half, so the TTFT p50 (the
+  8th and 9th of 16) sits at the band's top edge, the first wave's next value above it (the
+  engine's 16: 233 271 456 474 477 497 501 509 | 518 521 681): one value more or less below
+  moves it by a first-wave step, and the llama-server check failed TTFT at c=8 about 1 run in 3.
+  12 (1.5 x c) puts the edge at the p50 too (the engine's 12: 233 271 456 474 477 497 | 681 918,
+  p50 589 between the band and the first wave's 3rd; llama-server's 3031 | 3944, 0.9 s apart).
+  With 3 x c (24) the successors are 2 x c of 3 x c and the p50 lies among them, about 4 values
+  from either edge (the engine's 501 | 509 at ranks 12-13 of a band at ranks 2-18), as with the
+  default 4 x c.
+- The engine's idle step prefills up to 2,048 tokens (scheduling/scheduler.py IDLE_PREFILL_TOKENS;
+  --max-prefill-tokens bounds only the steps beside decoding rows), so a burst reaching the idle
+  engine splits by arrival, as llama-server's -b 2048 did: in one run our 8 arrived within a
+  millisecond and 5 were prefilled in one step (TTFT 1,059 ms each), then one a step; AIPerf's,
+  about 1.5 ms apart, one a step from the first (241, 473, ..., 1,865 ms); the split carried into
+  the next wave (5 ending together, their 5 successors sent together). TTFT p50 0.440 of ours, the
+  engine's own TTFT p50 0.437 of ours: 1.005 divided. The engine's TTFT counts from its
+  acceptance, queue included, so it moves with the split and `/ server` judges how the clients
+  measured what the server did; llama-server's prompt eval time leaves the queue out, hence -b 128
+  there. The engine logs request_finished after the stream's end (http_front.py's _generate), so
+  its view waits up to LOG_WAIT_S for the run's events. Its speed moved between the two clients'
+  runs even on a quiet machine (its logged ms/token at c=8 65.3 under ours, 77.9 under AIPerf; at
+  c=1 18.9 and 17.5): raw ratios 0.86-1.19, each 0.997-1.014 once divided by the same statistic
+  of its log. With a core's worth of other processes (`*`; the engine 1.5-2.5 times slower under
+  AIPerf than under ours) the divided ratios stayed within 0.99-1.01; by the medians of its time
+  per token, as for llama-server, ITL mean and tok/s were off by 0.83 and 1.25 there (a mean
+  against a median of per-request speeds that varied 2-fold).
 - AIPerf's own CPU: its timing manager busy-polls while every slot is taken (timing/strategies/
   request_rate.py:316,328, yield_to_event_loop in the loop), about 0.6 of the client core; with
   other processes there too its worker reads late, several events a read (gaps of 0: ITL p50 9.5
@@ -100,8 +147,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -219,35 +267,59 @@ def write_prompt_files(out: Path, prompts: Sequence[str], output_tokens: int) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# The server: llama-server on one core, no prompt cache
+# The server: llama-server, or the engine's HTTP front, on one core, no prompt cache
+
+SERVERS = ("llama-server", "engine")  # --server
+LOG_WAIT_S = 10.0  # how long the engine's request_finished events may trail the client's last answer
 
 
 @dataclass
 class Server:
-    """llama-server pinned to `core` (at niceness `nice`), started on enter (ready when GET /health
-    answers 200)."""
+    """A server pinned to `core` (at niceness `nice`), started on enter (ready when GET /health
+    answers 200). Its command, its own view of each client's requests and its /tokenize body are
+    the subclass's: LlamaServer, EngineServer."""
 
     core: int
-    ctx: int
+    ctx: int  # tokens of context, all slots together
     log_path: Path
     nice: int = 0
     port: int = 0
     proc: subprocess.Popen | None = None
     command: list[str] = field(default_factory=list)
 
+    name: ClassVar[str] = "server"
+    # Each judged figure's counterpart in the server's own view, and its sense: the server's prompt
+    # time (or TTFT) moves TTFT, its time per token moves TPOT and ITL, and throughput inversely.
+    view: ClassVar[dict[str, tuple[str, int]]] = {}
+    shown: ClassVar[tuple[str, ...]] = ()  # the server's rows among the table's shown ones
+    differed: ClassVar[str] = "the server's own figure differed"  # the verdict when only `/ server` agrees
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def server_command(self) -> list[str]:
+        """The server's own command line, on self.port (pinning and niceness are added around it)."""
+        raise NotImplementedError
+
+    def description(self) -> str:
+        """What serves, where, as the header line says it."""
+        raise NotImplementedError
+
+    def own_timings(self, since: int, run: Run) -> dict[str, float | None]:
+        """The server's own view of the requests of `run` it logged after byte `since` of its log,
+        by the rows in `shown`."""
+        raise NotImplementedError
+
+    def tokenize_body(self, text: str) -> dict[str, str]:
+        """The body of POST /tokenize for `text`."""
+        raise NotImplementedError
+
     def __enter__(self) -> Server:
         self.port = free_port()
-        # Weight repacking off (--no-repack): this build dies of SIGILL loading Q4_1 with it (tests/llama_server.py).
         self.command = [*(["nice", "-n", str(self.nice)] if self.nice else []), "taskset", "-c", str(self.core),
-                        str(peers.llama_server()), "-m", str(smollm2_gguf()),
-                        "-t", "1", "-np", str(SLOTS), "-c", str(self.ctx), "-b", str(BATCH), "-ub", str(BATCH),
-                        "--host", "127.0.0.1",
-                        "--port", str(self.port), "--no-repack", "--no-cache-prompt", "--cache-ram", "0"]
-        log(f"llama-server: {' '.join(self.command)}")
+                        *self.server_command()]
+        log(f"{self.name}: {' '.join(self.command)}")
         with open(self.log_path, "ab") as out:  # guarded: SIGTERM to the server should this script die
             proc = subprocess.Popen(guarded(self.command), cwd=REPO, stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT)
@@ -257,9 +329,9 @@ class Server:
         exited = proc.poll()
         self.__exit__()
         if exited is not None:
-            raise CrosscheckError(f"llama-server exited with {exited}; "
+            raise CrosscheckError(f"{self.name} exited with {exited}; "
                                   f"log {self.log_path}:\n{self.log_path.read_text(errors='replace')[-3000:]}")
-        raise CrosscheckError(f"llama-server not ready after 120 s; log {self.log_path}")
+        raise CrosscheckError(f"{self.name} not ready after 120 s; log {self.log_path}")
 
     def _healthy(self, timeout: float) -> bool:
         try:
@@ -273,19 +345,13 @@ class Server:
         if proc is not None:
             stop_blocking(proc, 10)
 
-    def own_timings(self, since: int) -> dict[str, float | None]:
-        """The medians of the server's own per-request timings logged after byte `since` of its log
-        (llama-server's print_timing: prompt eval ms, and eval ms per generated token)."""
+    def _log_since(self, since: int) -> str:
         with open(self.log_path, "rb") as f:
             f.seek(since)
-            text = f.read().decode(errors="replace")
-        prompt = [float(m) for m in re.findall(r"prompt eval time =\s*([\d.]+) ms", text)]
-        per_token = [float(m) for m in re.findall(r"\|\s+eval time =\s*[\d.]+ ms /\s*\d+ tokens \(\s*([\d.]+) ms per", text)]
-        return {"server's prompt ms p50": statistics.median(prompt) if prompt else None,
-                "server's ms/token p50": statistics.median(per_token) if per_token else None}
+            return f.read().decode(errors="replace")
 
     def cpu_s(self) -> float:
-        """The server's CPU seconds so far (/proc/PID/stat utime + stime)."""
+        """The server's CPU seconds so far (/proc/PID/stat utime + stime, all its threads)."""
         if self.proc is None:
             return 0.0
         try:
@@ -298,11 +364,159 @@ class Server:
         """How many tokens the server's own tokenizer makes of each prompt (POST /tokenize)."""
         counts = []
         for text in prompts:
-            req = urllib.request.Request(f"{self.url}/tokenize", data=json.dumps({"content": text}).encode(),
+            req = urllib.request.Request(f"{self.url}/tokenize", data=json.dumps(self.tokenize_body(text)).encode(),
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=30) as resp:
                 counts.append(len(json.load(resp)["tokens"]))
         return counts
+
+
+@dataclass
+class LlamaServer(Server):
+    """llama-server (the `make peers` build): `-t 1`, one slot per request in flight, batch BATCH,
+    no prompt cache."""
+
+    name: ClassVar[str] = "llama-server"
+    view: ClassVar[dict[str, tuple[str, int]]] = {
+        "TTFT p50 ms": ("server's prompt ms p50", 1), "TPOT p50 ms": ("server's ms/token p50", 1),
+        "ITL mean ms": ("server's ms/token p50", 1), "output tok/s": ("server's ms/token p50", -1)}
+    shown: ClassVar[tuple[str, ...]] = ("server prompt_n", "server's prompt ms p50", "server's ms/token p50")
+    differed: ClassVar[str] = "the server's own speed differed"
+
+    def server_command(self) -> list[str]:
+        # Weight repacking off (--no-repack): this build dies of SIGILL loading Q4_1 with it (tests/llama_server.py).
+        return [str(peers.llama_server()), "-m", str(smollm2_gguf()),
+                "-t", "1", "-np", str(SLOTS), "-c", str(self.ctx), "-b", str(BATCH), "-ub", str(BATCH),
+                "--host", "127.0.0.1",
+                "--port", str(self.port), "--no-repack", "--no-cache-prompt", "--cache-ram", "0"]
+
+    def description(self) -> str:
+        return f"llama-server (SmolLM2-135M Q4_1) on core {self.core} (1 thread, -b {BATCH})"
+
+    def tokenize_body(self, text: str) -> dict[str, str]:
+        return {"content": text}
+
+    def own_timings(self, since: int, run: Run) -> dict[str, float | None]:
+        """The medians of the server's own per-request timings logged after byte `since` of its log
+        (llama-server's print_timing: prompt eval ms, and eval ms per generated token), the warmup's
+        among them."""
+        text = self._log_since(since)
+        prompt = [float(m) for m in re.findall(r"prompt eval time =\s*([\d.]+) ms", text)]
+        per_token = [float(m) for m in re.findall(r"\|\s+eval time =\s*[\d.]+ ms /\s*\d+ tokens \(\s*([\d.]+) ms per", text)]
+        return {"server's prompt ms p50": statistics.median(prompt) if prompt else None,
+                "server's ms/token p50": statistics.median(per_token) if per_token else None}
+
+
+@dataclass
+class EngineServer(Server):
+    """This engine's OpenAI-compatible HTTP front (`python -m engine_service --http-port`) on the
+    packaged SmolLM2 GGUF: `--threads 1`, SLOTS sequences decoded together, at most BATCH prompt
+    tokens prefilled a step (llama-server's -b), no prefix cache (its --no-cache-prompt)."""
+
+    name: ClassVar[str] = "engine"
+    # Each judged figure's counterpart is the same statistic of the engine's own log: a median for
+    # the medians, the mean time per token for ITL's mean, its own tokens per second for tok/s.
+    view: ClassVar[dict[str, tuple[str, int]]] = {
+        "TTFT p50 ms": ("server's TTFT ms p50", 1), "TPOT p50 ms": ("server's ms/token p50", 1),
+        "ITL mean ms": ("server's ms/token mean", 1), "output tok/s": ("server's tok/s", 1)}
+    shown: ClassVar[tuple[str, ...]] = ("server's prompt tokens", "server's TTFT ms p50", "server's ms/token p50",
+                                        "server's ms/token mean", "server's tok/s")
+    differed: ClassVar[str] = "the server's own figure differed alike"
+
+    def server_command(self) -> list[str]:
+        return [sys.executable, "-m", "engine_service", "--model", "smollm2", "--host", "127.0.0.1", "--port", "0",
+                "--http-port", str(self.port), "--threads", "1", "--max-batch", str(SLOTS),
+                "--max-context", str(self.ctx // SLOTS), "--max-prefill-tokens", str(BATCH),
+                "--prefix-cache-tokens", "0", "--grace-seconds", "5"]
+
+    def description(self) -> str:
+        return (f"the engine's HTTP front (engine_service, SmolLM2-135M Q4_1 GGUF) on core {self.core} "
+                f"(--threads 1, --max-prefill-tokens {BATCH})")
+
+    def tokenize_body(self, text: str) -> dict[str, str]:
+        return {"prompt": text}  # vLLM's shape
+
+    def own_timings(self, since: int, run: Run) -> dict[str, float | None]:
+        """The engine's view of the run's measured requests that succeeded, from their
+        `request_finished` events (engine_service/transport/telemetry.py): the median prompt_tokens;
+        the median ttft_s (acceptance to first token, the queue wait included: the server's TTFT);
+        the median and the mean of (duration_s - ttft_s) / (output_tokens - 1), its time per token
+        after the first (duration_s runs from the handler's start, ttft_s from the acceptance a few
+        ms later, and to the stream's end after the last token: within a few ms over 64 tokens);
+        and its tokens per second, all output tokens over first start (timestamp - duration_s) to
+        last end (the event's timestamp, logged at the end). Each client sends its warmup alone and
+        waits for its end, so the first `run.warmup` events after byte `since` are the warmup's, and
+        left out. An event is logged as its answer ends, so this waits up to LOG_WAIT_S for all of
+        the run's."""
+        expected = run.warmup + run.requests
+        deadline = time.monotonic() + LOG_WAIT_S
+        events = self._finished(since)
+        while len(events) < expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+            events = self._finished(since)
+        if len(events) < expected:
+            log(f"warning: the engine's log {self.log_path} has {len(events)} request_finished events after "
+                f"byte {since}, not the {expected} requests sent ({run.warmup} warmup), {LOG_WAIT_S:.0f} s "
+                "after the last answer; its own view covers those")
+        ok = [e for e in events[run.warmup:] if e.get("status") == "OK"]
+        if not ok:
+            return dict.fromkeys(self.shown)
+        field_of = self._field
+        prompt = [field_of(e, "prompt_tokens") for e in ok]
+        ttft = [field_of(e, "ttft_s") * 1e3 for e in ok]
+        per_token = [(field_of(e, "duration_s") - field_of(e, "ttft_s")) * 1e3 / (field_of(e, "output_tokens") - 1)
+                     for e in ok if field_of(e, "output_tokens") >= 2]
+        ends = [self._ended_at(e) for e in ok]
+        span = max(ends) - min(end - field_of(e, "duration_s") for e, end in zip(ok, ends, strict=True))
+        return {"server's prompt tokens": statistics.median(prompt),
+                "server's TTFT ms p50": statistics.median(ttft),
+                "server's ms/token p50": statistics.median(per_token) if per_token else None,
+                "server's ms/token mean": statistics.fmean(per_token) if per_token else None,
+                "server's tok/s": sum(field_of(e, "output_tokens") for e in ok) / span if span > 0 else None}
+
+    def _field(self, event: dict[str, Any], key: str) -> float:
+        """A number from a successful request's request_finished event; CrosscheckError naming it
+        when it is missing or not one."""
+        value = event.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise CrosscheckError(f"the engine's log {self.log_path}: request_finished of request "
+                                  f"{event.get('request_id')!r} (status OK) has {key}={value!r}, not a number")
+        return float(value)
+
+    def _ended_at(self, event: dict[str, Any]) -> float:
+        """The event's `timestamp` (ISO 8601, UTC, logged at the request's end) in seconds."""
+        stamp = event.get("timestamp")
+        try:
+            return datetime.fromisoformat(str(stamp)).timestamp()
+        except ValueError as err:
+            raise CrosscheckError(f"the engine's log {self.log_path}: request_finished of request "
+                                  f"{event.get('request_id')!r} has timestamp={stamp!r}, not ISO 8601: {err}") from err
+
+    def _finished(self, since: int) -> list[dict[str, Any]]:
+        """The request_finished events in the complete lines after byte `since` (the engine logs one
+        JSON object a line; lines that are not JSON, a library's warning, are passed over)."""
+        text = self._log_since(since)
+        events = []
+        for line in text.splitlines(keepends=True):
+            if not line.endswith("\n") or not line.startswith("{"):
+                continue  # a line still being written, or not one of the engine's events
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise CrosscheckError(f"the engine's log {self.log_path}: a line after byte {since} is not "
+                                      f"JSON ({err}): {line[:200]!r}") from err
+            if isinstance(event, dict) and event.get("event") == "request_finished":
+                events.append(event)
+        return events
+
+
+def make_server(kind: str, core: int, ctx: int, work: Path, nice: int) -> Server:
+    """The --server's Server (not started: enter it), its log in `work`."""
+    if kind == "llama-server":
+        return LlamaServer(core, ctx, work / "llama-server.log", nice=nice)
+    if kind == "engine":
+        return EngineServer(core, ctx, work / "engine.log", nice=nice)
+    raise CrosscheckError(f"--server must be one of {', '.join(SERVERS)}, got {kind!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,13 +548,14 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def timed(step: str, server: Server, fn: Callable[..., Figures], *args: Any) -> Figures:
-    """fn(*args), with the cores other processes (not the server, not our children) kept busy meanwhile."""
+def timed(step: str, server: Server, run: Run, fn: Callable[..., Figures], *args: Any) -> Figures:
+    """fn(*args), with the cores other processes (not the server, not our children) kept busy
+    meanwhile, and the server's own view of the run's requests (Server.own_timings)."""
     t0, log_at = time.monotonic(), server.log_path.stat().st_size
     with OthersBusy(step, own_cpu_s=lambda: _children_cpu_s() + server.cpu_s(), log=log) as busy:
         figures = fn(*args)
     figures.others_busy_cores, figures.wall_s = busy.cores, time.monotonic() - t0
-    figures.values.update(server.own_timings(log_at))  # the server's view of this client's requests
+    figures.values.update(server.own_timings(log_at, run))
     return figures
 
 
@@ -426,33 +641,27 @@ def run_aiperf(aiperf: Path, server: Server, run: Run, work: Path, prompts_file:
 
 
 JUDGED = ("TTFT p50 ms", "TPOT p50 ms", "ITL mean ms", "output tok/s")
-SHOWN = ("ITL p50 ms", "E2EL p50 ms", "output tokens/request", "duration s", "completed", "failed", "retries", "server prompt_n",
-         "server's prompt ms p50", "server's ms/token p50")
-
-
-# Each judged figure's counterpart in the server's own log, and its sense: the server's prompt time
-# moves TTFT, its time per token moves TPOT and ITL, and throughput inversely.
-SERVER_VIEW = {"TTFT p50 ms": ("server's prompt ms p50", 1), "TPOT p50 ms": ("server's ms/token p50", 1),
-               "ITL mean ms": ("server's ms/token p50", 1), "output tok/s": ("server's ms/token p50", -1)}
+# Shown, not judged: the clients' rows, then the server's own (Server.shown).
+SHOWN = ("ITL p50 ms", "E2EL p50 ms", "output tokens/request", "duration s", "completed", "failed", "retries")
 
 
 def agrees(ours: float | None, theirs: float | None) -> bool:
     return ours is not None and theirs is not None and ours > 0 and abs(theirs / ours - 1.0) <= TOLERANCE
 
 
-def server_adjusted(name: str, ours: Figures, theirs: Figures) -> float | None:
+def server_adjusted(name: str, ours: Figures, theirs: Figures, server: Server) -> float | None:
     """AIPerf / ours for `name`, divided by how much the server itself was slower or faster under
-    AIPerf than under ours (its own log's figure for the same thing): what remains is the two
-    clients' difference in measuring the same work. None where the server logged nothing."""
+    AIPerf than under ours (its own log's figure for the same thing, Server.view): what remains is
+    the two clients' difference in measuring the same work. None where the server logged nothing."""
     a, b = ours.values.get(name), theirs.values.get(name)
-    view, sense = SERVER_VIEW[name]
+    view, sense = server.view[name]
     sa, sb = ours.values.get(view), theirs.values.get(view)
     if not (a and b and sa and sb):
         return None
     return (b / a) / (sb / sa) ** sense
 
 
-def table(run: Run, ours: Figures, theirs: Figures) -> tuple[list[str], bool]:
+def table(run: Run, ours: Figures, theirs: Figures, server: Server) -> tuple[list[str], bool]:
     """The lines of one concurrency's table, and whether every judged figure agrees."""
     def fmt(v: float | None) -> str:
         return "-" if v is None else f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
@@ -461,16 +670,16 @@ def table(run: Run, ours: Figures, theirs: Figures) -> tuple[list[str], bool]:
              f"tokens, {run.output_tokens} output, ignore_eos, greedy",
              f"  {'metric':<24}{'ours':>12}{'AIPerf':>12}{'ratio':>9}{'/ server':>10}  within 10%?"]
     ok = True
-    for name in (*JUDGED, *SHOWN):
+    for name in (*JUDGED, *SHOWN, *server.shown):
         a, b = ours.values.get(name), theirs.values.get(name)
         ratio = f"{b / a:.3f}" if a and b is not None else "-"
-        adjusted = server_adjusted(name, ours, theirs) if name in JUDGED else None
+        adjusted = server_adjusted(name, ours, theirs, server) if name in JUDGED else None
         verdict = ""
         if name in JUDGED:
             if agrees(a, b):
                 verdict = "yes"
             elif adjusted is not None and abs(adjusted - 1.0) <= TOLERANCE:
-                verdict = "yes, the server's own speed differed"
+                verdict = f"yes, {server.differed}"
             else:
                 verdict = "NO"
         ok = ok and (verdict != "NO")
@@ -488,9 +697,12 @@ def table(run: Run, ours: Figures, theirs: Figures) -> tuple[list[str], bool]:
 
 
 def requests_at(concurrency: int, args: argparse.Namespace) -> int:
+    """Measured requests at `concurrency`: --requests, else at least 3 waves of `concurrency`
+    (--short: max(8, 3 x c); else max(24, 4 x c)), so that the TTFT median falls among the
+    successors, never at the edge between them and the first wave (the docstring's "Waves")."""
     if args.requests:
         return args.requests
-    return max(8, 2 * concurrency) if args.short else max(24, 4 * concurrency)
+    return max(8, 3 * concurrency) if args.short else max(24, 4 * concurrency)
 
 
 def cores() -> tuple[int, int]:
@@ -503,12 +715,15 @@ def cores() -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--short", action="store_true", help="the CI form: 8 requests at c=1, 16 at c=8")
+    ap.add_argument("--short", action="store_true", help="the CI form: 8 requests at c=1, 24 at c=8")
     ap.add_argument("--requests", type=int, default=0, help="measured requests per concurrency (default 24 at "
-                    "c=1, 4 x c above; --short: 8, 2 x c)")
+                    "c=1, 4 x c above; --short: 8, 3 x c)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCIES)), help="comma-separated (default 1,8)")
+    ap.add_argument("--server", choices=SERVERS, default="llama-server",
+                    help="what both clients measure: llama-server (the `make peers` build; default) or this "
+                         "engine's OpenAI-compatible HTTP front (python -m engine_service --http-port)")
     ap.add_argument("--server-nice", type=int, default=0, help="the server's niceness (default 0); on a machine "
                     "others share, a negative one (root) keeps their processes off its core")
     ap.add_argument("--out", type=Path, default=None, help="work directory (default: a new one under /tmp)")
@@ -537,28 +752,30 @@ def main(argv: list[str] | None = None) -> int:
 def crosscheck(args: argparse.Namespace, work: Path, cache: Path) -> tuple[bool, bool]:
     """Each concurrency's table printed as it ends; (every judged figure agrees, any run contended)."""
     server_core, client_core = cores()
-    peers.llama_server()  # PeerMissing before anything is installed
+    if args.server == "llama-server":
+        peers.llama_server()  # PeerMissing before anything is installed
     aiperf, tok_dir = aiperf_env(cache), tokenizer_dir(cache)
     runs = [Run(c, requests_at(c, args), 1, args.prompt_tokens, args.output_tokens) for c in args.concurrencies]
     prompts = make_prompts(tok_dir, max(r.requests for r in runs), args.prompt_tokens)
     ctx = SLOTS * -(-(args.prompt_tokens + args.output_tokens + 16) // 256) * 256
-    print(f"AIPerf {AIPERF_VERSION} against the bench client, llama-server (SmolLM2-135M Q4_1) on core {server_core} "
-          f"(1 thread, -b {BATCH}), each client on core {client_core}; work dir {work}\n"
+    server = make_server(args.server, server_core, ctx, work, args.server_nice)
+    print(f"AIPerf {AIPERF_VERSION} against the bench client, {server.description()}, "
+          f"each client on core {client_core}; work dir {work}\n"
           "ratio = AIPerf / ours; judged: TTFT, TPOT (AIPerf's inter_token_latency), ITL mean (its inter_chunk_latency avg), "
           "output tok/s\n", flush=True)
     all_ok, contended = True, False
-    with Server(server_core, ctx, work / "llama-server.log", nice=args.server_nice) as server:
+    with server:
         counts = server.token_counts(prompts)
         if set(counts) != {args.prompt_tokens}:
             log(f"warning: the server makes {sorted(set(counts))} tokens of the prompts, not {args.prompt_tokens}")
         for run in runs:
             base = _fresh(work / f"c{run.concurrency}")
             ours_file, aiperf_file = write_prompt_files(base, prompts[:run.requests], run.output_tokens)
-            ours = timed(f"ours c={run.concurrency}", server, run_ours,
+            ours = timed(f"ours c={run.concurrency}", server, run, run_ours,
                          server, run, base / "ours", ours_file, tok_dir, client_core)
-            theirs = timed(f"AIPerf c={run.concurrency}", server, run_aiperf,
+            theirs = timed(f"AIPerf c={run.concurrency}", server, run, run_aiperf,
                            aiperf, server, run, base / "aiperf", aiperf_file, tok_dir, client_core)
-            lines, ok = table(run, ours, theirs)
+            lines, ok = table(run, ours, theirs, server)
             print("\n".join(lines) + "\n", flush=True)
             all_ok = all_ok and ok
             contended = contended or any(f.others_busy_cores is not None and f.others_busy_cores > CONTENDED

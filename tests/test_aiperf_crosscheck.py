@@ -1,8 +1,10 @@
-"""AIPerf against our client on the real llama-server: benchmarks/aiperf_crosscheck.py --short.
+"""AIPerf against our client on one real server: benchmarks/aiperf_crosscheck.py --short, once on
+llama-server and once on this engine's OpenAI-compatible HTTP front (--server engine).
 
-Left out of `make test` (marker `crosscheck`: a few minutes, and AIPerf installed into its own venv
-the first time); `pytest -m crosscheck` runs it. Skipped without llama-server (`make peers`),
-failed instead under CI=true, as tests/llama_server.py's require_llama_server does.
+Left out of `make test` (marker `crosscheck`: a few minutes each, and AIPerf installed into its own
+venv the first time); `pytest -m crosscheck` runs them. The llama-server one is skipped without
+llama-server (`make peers`), failed instead under CI=true, as tests/llama_server.py's
+require_llama_server does; the engine one needs only the packaged model (`make setup`).
 """
 
 from __future__ import annotations
@@ -20,15 +22,65 @@ JUDGED = ("TTFT p50 ms", "TPOT p50 ms", "ITL mean ms", "output tok/s")
 
 
 @pytest.mark.crosscheck
-@pytest.mark.timeout(1500)  # first run: ~80 s to install AIPerf; then about 2-4 minutes
-def test_aiperf_and_ours_agree_within_10_percent(tmp_path):
-    require_llama_server()
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--short", "--out", str(tmp_path / "work")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1400, check=False)
+@pytest.mark.timeout(1500)  # first run: ~80 s to install AIPerf; then about 2-5 minutes
+@pytest.mark.parametrize("server", ["llama-server", "engine"])
+def test_aiperf_and_ours_agree_within_10_percent(tmp_path, server):
+    if server == "llama-server":
+        require_llama_server()
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--short", "--server", server, "--out", str(tmp_path / "work")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1400, check=False)
     shown = f"--- stdout ---\n{proc.stdout}\n--- stderr tail ---\n{proc.stderr[-4000:]}"
+    assert ("the engine's HTTP front" if server == "engine" else "llama-server (SmolLM2") in proc.stdout, shown
     for concurrency in (1, 8):
         assert f"c={concurrency}: " in proc.stdout, shown
     for row in JUDGED:
         assert proc.stdout.count(f"  {row} ") == 2, shown  # one row per concurrency
     assert proc.returncode == 0, shown
     assert "all judged figures agree within 10%" in proc.stdout, shown
+
+
+# The engine's own view (fast: a written log, no server)
+
+def _engine_log(tmp_path, lines):
+    from benchmarks import aiperf_crosscheck as xc
+
+    path = tmp_path / "engine.log"
+    path.write_text("".join(lines))
+    return xc, xc.EngineServer(core=0, ctx=2048, log_path=path)
+
+
+def _finished(request_id, ended, duration_s, ttft_s, output_tokens=64, status="OK"):
+    import json
+
+    return json.dumps({"request_id": request_id, "status": status, "duration_s": duration_s, "prompt_tokens": 128,
+                       "output_tokens": output_tokens, "ttft_s": ttft_s, "event": "request_finished",
+                       "timestamp": f"2026-12-02T04:32:{ended:09.6f}Z"}) + "\n"
+
+
+def test_the_engine_view_leaves_out_the_warmup_and_matches_each_statistic(tmp_path):
+    xc, server = _engine_log(tmp_path, [
+        '{"event": "engine_serving", "port": 1}\n', "a library's warning, not JSON\n",
+        _finished("warmup", 10.0, 9.0, 5.0),  # would move every figure: left out
+        _finished("a", 21.0, 1.26, 0.0),  # (1.26 - 0) / 63 = 20 ms a token
+        _finished("b", 22.0, 2.0, 0.11),  # (2 - 0.11) / 63 = 30 ms
+        _finished("c", 23.0, 4.0, 0.2),  # starts first: 19.0; (4 - 0.2) / 63
+        _finished("d", 23.5, 0.5, 0.3, status="CANCELLED"),  # failed: left out
+        '{"event": "request_finished", "status": "OK"',  # still being written: no newline yet
+    ])
+    view = server.own_timings(0, xc.Run(concurrency=2, requests=4, warmup=1, prompt_tokens=128, output_tokens=64))
+    assert view["server's prompt tokens"] == 128
+    assert view["server's TTFT ms p50"] == pytest.approx(110)
+    assert view["server's ms/token p50"] == pytest.approx(30)
+    assert view["server's ms/token mean"] == pytest.approx((20 + 30 + 3800 / 63) / 3)
+    assert view["server's tok/s"] == pytest.approx(3 * 64 / (23.0 - 19.0))
+    assert set(view) == set(server.shown) and set(server.view.values()) <= {(row, 1) for row in server.shown}
+
+
+def test_the_engine_view_refuses_a_broken_event_naming_it(tmp_path):
+    xc, server = _engine_log(tmp_path, [_finished("w", 1.0, 1.0, 0.1), '{"event": "request_finished", oops}\n'])
+    run = xc.Run(concurrency=1, requests=1, warmup=1, prompt_tokens=128, output_tokens=64)
+    with pytest.raises(xc.CrosscheckError, match="engine.log: a line after byte 0 is not JSON"):
+        server.own_timings(0, run)
+    xc, server = _engine_log(tmp_path, [_finished("w", 1.0, 1.0, 0.1), _finished("m", 2.0, 1.0, None)])
+    with pytest.raises(xc.CrosscheckError, match=r"request 'm' \(status OK\) has ttft_s=None, not a number"):
+        server.own_timings(0, run)
