@@ -82,3 +82,38 @@ def test_chat_logprobs_with_bytes() -> None:
         {"token": "é", "logprob": -0.25, "bytes": [195, 169],
          "top_logprobs": [{"token": "é", "logprob": -0.25, "bytes": [195, 169]}]}]}
     assert shaper("chat", logprobs=True).logprobs(LPS)["content"][0]["top_logprobs"] == []
+
+
+def test_chat_chunks_in_full() -> None:
+    c = shaper("chat", stream=True, logprobs=True)
+    lp = {"content": []}
+    head = {"id": "chatcmpl-r1", "object": "chat.completion.chunk", "created": c.created, "model": "m"}
+    assert c.chunk("", first=True) == {**head, "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+    assert c.chunk("hi", lp) == {**head, "choices": [
+        {"index": 0, "delta": {"content": "hi"}, "logprobs": lp, "finish_reason": None}]}
+    assert c.chunk("", None, FinishReason.EOS) == {**head, "choices": [
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop", "stop_reason": None}]}
+    assert c.chunk("!", lp, FinishReason.STOP, "END") == {**head, "choices": [
+        {"index": 0, "delta": {"content": "!"}, "logprobs": lp, "finish_reason": "stop", "stop_reason": "END"}]}
+    assert c.chunk("a", first=True, finish=FinishReason.LENGTH)["choices"][0]["delta"] \
+        == {"role": "assistant", "content": "a"}  # the first carries the role even when it is also the last
+
+
+def test_completion_chunks_in_full() -> None:
+    s = shaper("completions", stream=True, stream_options={"include_usage": True})
+    head = {"id": "cmpl-r1", "object": "text_completion", "created": s.created, "model": "m"}
+    assert s.chunk("x", {"tokens": []}) == {**head, "usage": None, "choices": [
+        {"index": 0, "text": "x", "logprobs": {"tokens": []}, "finish_reason": None}]}
+    assert s.chunk("", finish=FinishReason.LENGTH) == {**head, "usage": None, "choices": [
+        {"index": 0, "text": "", "logprobs": None, "finish_reason": "length", "stop_reason": None}]}
+
+
+def test_chat_logprob_bytes_are_utf8() -> None:
+    pieces = {1: "€", 2: "\U0001f600", 3: " a"}
+    s = Shaper(parse_body({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
+                          "chat", "", "m"), "r", "m", pieces.__getitem__)
+    got = s.logprobs([TokenLogprobs(1, -1.0, ((2, -0.5), (3, -0.75), (1, -1.0)))])
+    assert got == {"content": [{"token": "€", "logprob": -1.0, "bytes": [0xE2, 0x82, 0xAC], "top_logprobs": [
+        {"token": "\U0001f600", "logprob": -0.5, "bytes": [0xF0, 0x9F, 0x98, 0x80]},
+        {"token": " a", "logprob": -0.75, "bytes": [32, 97]}]}]}

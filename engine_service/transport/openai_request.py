@@ -101,7 +101,7 @@ def _kind(value: object) -> str:
 
 
 def _wrong(name: str, value: object, expected: str) -> InvalidField:
-    if isinstance(value, (dict, list)):  # its kind says enough; its text could be megabytes
+    if value is None or isinstance(value, (dict, list)):  # its kind says enough (null; megabytes of text)
         return InvalidField(name, _kind(value), f"{name} must be {expected}, got {_kind(value)}")
     shown = json.dumps(value)[:80]
     return InvalidField(name, shown, f"{name} must be {expected}, got {_kind(value)} {shown}")
@@ -169,7 +169,8 @@ def json_text(value: object, name: str) -> str:
 def _refuse_unless(body: Mapping[str, Any], name: str, served: Callable[[Any], bool], why: str) -> None:
     value = body.get(name)
     if value is not None and not served(value):
-        raise InvalidField(name, json.dumps(value)[:80], f"{name} {why}, got {json.dumps(value)[:80]}")
+        shown = json.dumps(value)[:80]
+        raise InvalidField(name, shown, f"{name} {why}, got {shown}")
 
 
 # -- the body --------------------------------------------------------------------------------------
@@ -183,8 +184,9 @@ def parse_body(body: object, endpoint: Endpoint, request_id: str, model: str) ->
     msg = pb.DecodeRequest(request_id=request_id)
     named = body.get("model")
     if named is not None and json_text(named, "model") != model:
-        raise InvalidField("model", named[:80], f"model must be {model!r} (the one this engine serves) or absent, "
-                                                f"got {named[:80]!r}")
+        shown = named[:80]
+        raise InvalidField("model", shown, f"model must be {model!r} (the one this engine serves) or absent, "
+                                           f"got {shown!r}")
     _refuse_unless(body, "n", lambda v: v == 1, "must be 1 (one choice per request is served)")
     _refuse_unless(body, "best_of", lambda v: v == 1, "must be 1 (one choice per request is served)")
     _refuse_unless(body, "tools", lambda v: v == [], "are not served (no tool calling)")
@@ -212,7 +214,7 @@ def parse_body(body: object, endpoint: Endpoint, request_id: str, model: str) ->
         msg.stop_token_ids.extend(_token_ids(ids, "stop_token_ids", allow_empty=True))
     msg.ignore_eos = bool(_bool(body, "ignore_eos"))
     logprobs, alternatives = _logprobs(body, endpoint)
-    echo = bool(_bool(body, "echo")) if endpoint == "completions" else False
+    echo = bool(_bool(body, "echo"))  # chat's was refused above unless false
     if logprobs:
         msg.top_logprobs = max(1, alternatives)  # the engine's 0 is "none": the chosen token's alone drops the one
         msg.echo_prompt_logprobs = echo
@@ -285,10 +287,10 @@ def _content(content: object, name: str) -> str:
     texts = []
     for i, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != CONTENT_PART_TEXT:
-            kind = part.get("type") if isinstance(part, dict) else _kind(part)
-            raise InvalidField(f"{name}[{i}]", str(kind)[:80],
+            kind = str(part.get("type") if isinstance(part, dict) else _kind(part))[:80]
+            raise InvalidField(f"{name}[{i}]", kind,
                                f"{name}[{i}] must be a text part ({{\"type\": \"text\", \"text\": ...}}; this model "
-                               f"reads text only), got {str(kind)[:80]!r}")
+                               f"reads text only), got {kind!r}")
         texts.append(json_text(part.get("text"), f"{name}[{i}].text"))
     return "".join(texts)
 
@@ -316,7 +318,8 @@ def _sampling(body: Mapping[str, Any], sampling: pb.SamplingParams) -> None:
             raise _wrong("logit_bias", bias, "an object of token id -> bias")
         for key, value in bias.items():
             if not re.fullmatch(r"[0-9]{1,10}", key) or int(key) > UINT32:
-                raise InvalidField("logit_bias", key[:80], f"logit_bias keys must be token ids, got {key[:80]!r}")
+                shown = key[:80]
+                raise InvalidField("logit_bias", shown, f"logit_bias keys must be token ids, got {shown!r}")
             sampling.logit_bias[int(key)] = _number(value, f"logit_bias[{key}]")
 
 
@@ -347,8 +350,9 @@ def _response_format(fmt: object, msg: pb.DecodeRequest) -> None:
         msg.response_format.json_schema = '{"type": "object"}'
         return
     if kind != "json_schema":
-        raise InvalidField("response_format.type", str(kind)[:80],
-                           f"response_format.type must be text, json_object or json_schema, got {str(kind)[:80]!r}")
+        shown = str(kind)[:80]
+        raise InvalidField("response_format.type", shown,
+                           f"response_format.type must be text, json_object or json_schema, got {shown!r}")
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
         raise _wrong("response_format.json_schema", spec, "an object with a schema")
