@@ -53,13 +53,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from client_overhead import _NoHealth, _NoObserver  # benchmarks/client_overhead.py: the same stand-ins
 from llamacpp import CONTENDED, OthersBusy  # benchmarks/llamacpp.py
 from prefill import cpu_name, positive_int, tree_cpu_s  # benchmarks/prefill.py
 
 from bench_client import metrics
 from bench_client.config import PolicyConfig, WorkloadConfig
 from bench_client.openai_http import OpenAIClient
-from bench_client.point import PointRunner, PointSpec, RequestResult
+from bench_client.point import PointRunner, PointSpec
 from bench_client.rpc import EngineClient
 from bench_client.server_api import ServerClient, ServerInfo
 from bench_client.tokenizer import load_tokenizer
@@ -79,7 +80,7 @@ class FrontsError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Run:
+class FrontRun:
     front: str
     concurrency: int
     number: int  # 1-based, per front and concurrency (< 0: a warm-up run, not reported)
@@ -95,19 +96,6 @@ class Run:
     @property
     def contended(self) -> bool:
         return self.others_cores is not None and self.others_cores > CONTENDED
-
-
-class _NoHealth:
-    async def wait_until_serving(self, timeout: float) -> bool:
-        return False  # a benchmark run must not survive an engine outage: stop instead
-
-
-class _NoObserver:
-    def request_started(self, spec: PointSpec) -> None:
-        return None
-
-    def request_finished(self, spec: PointSpec, outcome: RequestResult) -> None:
-        return None
 
 
 def _log(msg: str) -> None:
@@ -132,7 +120,7 @@ def order(rounds: int) -> list[str]:
 
 
 async def measure(client: ServerClient, info: ServerInfo, front: str, concurrency: int, number: int,
-                  args: argparse.Namespace, seed: int) -> Run:
+                  args: argparse.Namespace, seed: int) -> FrontRun:
     """One run: a point of `concurrency` streams through PointRunner, its prompts of its own seed."""
     requests = args.requests or max(16, 2 * concurrency)
     workload = WorkloadConfig(context_tokens=(args.context,), max_new_tokens=(args.new_tokens,),
@@ -157,19 +145,19 @@ async def measure(client: ServerClient, info: ServerInfo, front: str, concurrenc
         raise FrontsError(f"{step}: {figures.total_output_tokens} output tokens counted, "
                           f"{requests} x {args.new_tokens} asked (ignore_eos); TPOT p50 {tpot}, TTFT p50 {ttft}")
     _log(f"{step}: TPOT p50 {tpot:.2f} ms, {figures.output_throughput:.1f} tok/s")
-    return Run(front, concurrency, number, tpot, figures.output_throughput, ttft,
+    return FrontRun(front, concurrency, number, tpot, figures.output_throughput, ttft,
                figures.mean_cached_prompt_tokens or 0.0, figures.total_output_tokens, client_cpu_s, engine_cpu_s,
                busy.cores)
 
 
-async def run_all(address: str, http_url: str, args: argparse.Namespace) -> tuple[ServerInfo, list[Run]]:
+async def run_all(address: str, http_url: str, args: argparse.Namespace) -> tuple[ServerInfo, list[FrontRun]]:
     grpc_client = EngineClient(address)
     http_client = OpenAIClient(http_url, concurrency=max(args.concurrency))
     try:
         info = await grpc_client.server_info()
         clients: dict[str, tuple[ServerClient, ServerInfo]] = {
             GRPC: (grpc_client, info), HTTP: (http_client, await http_client.server_info())}
-        runs: list[Run] = []
+        runs: list[FrontRun] = []
         seed = 0
         for concurrency in args.concurrency:
             for warmup in range(args.warmup_runs):
@@ -193,7 +181,7 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def report(runs: Sequence[Run], info: ServerInfo, command: Sequence[str], args: argparse.Namespace,
+def report(runs: Sequence[FrontRun], info: ServerInfo, command: Sequence[str], args: argparse.Namespace,
            load_before: str, load_after: str) -> bool:
     """Print the runs and the summary; whether HTTP is within 5% of gRPC at every concurrency."""
     print("fronts: one engine over gRPC (engine.v1 Decode) and HTTP (/v1/completions, SSE), the bench client's "

@@ -82,7 +82,7 @@ def http_request(path: str, body: bytes | None, *, auth: bytes | None = GOOD_AUT
 # -- the cases -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Case:
+class FrontCase:
     """One request. `fault`: the field at fault (a 400 naming it is due), None when unknown;
     `valid`: the body is known to be served (200, or a 400 naming `messages` on chat)."""
 
@@ -247,17 +247,17 @@ bad_auth = st.one_of(st.none(), st.just(b"Bearer wrong"), st.just(b"bearer " + T
 
 
 @st.composite
-def one_wrong_field(draw: st.DrawFn) -> Case:
+def one_wrong_field(draw: st.DrawFn) -> FrontCase:
     path = draw(st.sampled_from(ROUTES))
     name = draw(st.sampled_from(sorted(WRONG[path])))
     body = {**base(path), name: draw(WRONG[path][name])}
     if name == "max_completion_tokens":
         body.pop("max_tokens")
-    return Case("one wrong field", path, encode(body), fault=name)
+    return FrontCase("one wrong field", path, encode(body), fault=name)
 
 
 @st.composite
-def valid_bodies(draw: st.DrawFn) -> Case:
+def valid_bodies(draw: st.DrawFn) -> FrontCase:
     """The base body with some valid fields, unknown ones (any JSON), or both: served as asked."""
     path = draw(st.sampled_from(ROUTES))
     body = base(path)
@@ -272,11 +272,11 @@ def valid_bodies(draw: st.DrawFn) -> Case:
         body["min_tokens"] = min(body["min_tokens"], body["max_tokens"])
     if draw(st.booleans()):
         body.update(draw(unknown_fields))
-    return Case("valid body", path, encode(body), valid=True)
+    return FrontCase("valid body", path, encode(body), valid=True)
 
 
 @st.composite
-def any_bodies(draw: st.DrawFn) -> Case:
+def any_bodies(draw: st.DrawFn) -> FrontCase:
     """Any known fields, each valid, wrong or any JSON, unknown ones too, written as JSON with escapes or
     as raw UTF-8 (lone surrogates then not UTF-8), sometimes cut or with a byte that is not UTF-8."""
     path = draw(st.sampled_from(ROUTES))
@@ -296,10 +296,10 @@ def any_bodies(draw: st.DrawFn) -> Case:
         at = draw(st.integers(0, len(raw)))
         raw = raw[:at] + draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x00", b"\xf4\x90\x80\x80"])) + raw[at:]
     auth = draw(bad_auth) if draw(sometimes(15)) else GOOD_AUTH
-    return Case("any body", path, raw, auth=auth)
+    return FrontCase("any body", path, raw, auth=auth)
 
 
-garbage = st.builds(lambda path, raw: Case("garbage bytes", path, raw), st.sampled_from(ROUTES),
+garbage = st.builds(lambda path, raw: FrontCase("garbage bytes", path, raw), st.sampled_from(ROUTES),
                     st.one_of(st.binary(max_size=512), st.text(max_size=64).map(str.encode),
                               st.sampled_from([b"", b"null", b"[]", b"5", b'"x"', b"NaN", b"{", b"}", b'{"a":}',
                                                b"\xef\xbb\xbf{}", b"{} {}", b"[" * 5000, b'{"a":' * 5000,
@@ -308,7 +308,7 @@ garbage = st.builds(lambda path, raw: Case("garbage bytes", path, raw), st.sampl
 CASES = st.one_of(one_wrong_field(), one_wrong_field(), valid_bodies(), valid_bodies(), any_bodies(), garbage)
 
 
-def _edges() -> list[Case]:
+def _edges() -> list[FrontCase]:
     """Each field at its bounds (served) and just past them (refused by name), the regressions
     earlier runs found, and the bytes past what json.loads reads: whatever hypothesis draws, every
     run sends these first."""
@@ -326,40 +326,40 @@ def _edges() -> list[Case]:
             "stop_token_ids": [[VOCAB], [2**32]], "logit_bias": [{"0": 100.001}, {str(VOCAB): 0}, {"0": 10**400},
                                                                    {str(i): 0 for i in range(301)}],
             "prompt": [[VOCAB], [0] * (MAX_CONTEXT - 3), "a" * (MAX_CONTEXT - 4), "\ud800", "a\udfffb"]}
-    cases = [Case("edge at a bound", COMPLETIONS, encode({**base(COMPLETIONS), name: value}), valid=True)
+    cases = [FrontCase("edge at a bound", COMPLETIONS, encode({**base(COMPLETIONS), name: value}), valid=True)
              for name, values in at.items() for value in values]
-    cases += [Case("edge past a bound", COMPLETIONS, encode({**base(COMPLETIONS), name: value}), fault=name)
+    cases += [FrontCase("edge past a bound", COMPLETIONS, encode({**base(COMPLETIONS), name: value}), fault=name)
               for name, values in past.items() for value in values]
-    cases += [Case("edge past a bound", CHAT, encode({**base(CHAT), "top_logprobs": 3}), fault="top_logprobs"),
-              Case("edge at a bound", CHAT, encode({**base(CHAT), "logprobs": True, "top_logprobs": 20}), valid=True),
-              Case("edge at a bound", CHAT, encode({"messages": []}), valid=True),
-              Case("edge at a bound", COMPLETIONS, encode({**base(COMPLETIONS), "stream": True, "logprobs": 2,
+    cases += [FrontCase("edge past a bound", CHAT, encode({**base(CHAT), "top_logprobs": 3}), fault="top_logprobs"),
+              FrontCase("edge at a bound", CHAT, encode({**base(CHAT), "logprobs": True, "top_logprobs": 20}), valid=True),
+              FrontCase("edge at a bound", CHAT, encode({"messages": []}), valid=True),
+              FrontCase("edge at a bound", COMPLETIONS, encode({**base(COMPLETIONS), "stream": True, "logprobs": 2,
                                                            "echo": True, "stream_options": {"include_usage": True}}),
                    valid=True),
-              Case("edge at a bound", COMPLETIONS, encode({**base(COMPLETIONS), "response_format": {
+              FrontCase("edge at a bound", COMPLETIONS, encode({**base(COMPLETIONS), "response_format": {
                   "type": "json_schema", "json_schema": {"schema": {"type": "boolean"}}}, "max_tokens": 8}),
                    valid=True),
-              Case("edge at a bound", TOKENIZE, encode({"prompt": "é\x00\U0001f600", "add_special_tokens": False,
+              FrontCase("edge at a bound", TOKENIZE, encode({"prompt": "é\x00\U0001f600", "add_special_tokens": False,
                                                         "return_token_strs": True}), valid=True),
-              Case("edge at a bound", DETOKENIZE, encode({"tokens": []}), valid=True),
-              Case("edge at a bound", DETOKENIZE, encode({"tokens": [BOS, 0xC3, EOS]}), valid=True)]
+              FrontCase("edge at a bound", DETOKENIZE, encode({"tokens": []}), valid=True),
+              FrontCase("edge at a bound", DETOKENIZE, encode({"tokens": [BOS, 0xC3, EOS]}), valid=True)]
     # regressions: answered 500 before the fix (an integer past float's range became OverflowError;
     # a lone surrogate went into the protobuf string of Tokenize)
-    cases += [Case("regression", COMPLETIONS, b'{"prompt":"a","temperature":1' + b"0" * 400 + b"}",
+    cases += [FrontCase("regression", COMPLETIONS, b'{"prompt":"a","temperature":1' + b"0" * 400 + b"}",
                    fault="temperature"),
-              Case("regression", COMPLETIONS, b'{"prompt":"a","logit_bias":{"5":1' + b"0" * 400 + b"}}",
+              FrontCase("regression", COMPLETIONS, b'{"prompt":"a","logit_bias":{"5":1' + b"0" * 400 + b"}}",
                    fault="logit_bias"),
-              Case("regression", TOKENIZE, b'{"prompt":"a\\ud800"}', fault="prompt")]
+              FrontCase("regression", TOKENIZE, b'{"prompt":"a\\ud800"}', fault="prompt")]
     # bytes past what json.loads reads: nesting past the recursion limit, 5000 digits
-    cases += [Case("deep", path, raw, fault="body") for path in (COMPLETIONS, CHAT, TOKENIZE) for raw in (
+    cases += [FrontCase("deep", path, raw, fault="body") for path in (COMPLETIONS, CHAT, TOKENIZE) for raw in (
         b"[" * 100_000 + b"]" * 100_000, b'{"prompt":' * 3000 + b"1" + b"}" * 3000, b'{"prompt":' + b"9" * 5000 + b"}",
         b'{"prompt":"a","n":' + b"[" * 2000 + b"]" * 2000 + b"}")]
-    cases += [Case("deep", COMPLETIONS, b'{"prompt":"a","n":' + b"[" * depth + b"]" * depth + b"}", fault="n")
+    cases += [FrontCase("deep", COMPLETIONS, b'{"prompt":"a","n":' + b"[" * depth + b"]" * depth + b"}", fault="n")
               for depth in (500, 900, 950, 970)]
-    cases += [Case("deep", COMPLETIONS, b'{"prompt":"a","max_tokens":2,"response_format":{"type":"json_schema",'
+    cases += [FrontCase("deep", COMPLETIONS, b'{"prompt":"a","max_tokens":2,"response_format":{"type":"json_schema",'
                                         b'"json_schema":{"schema":' + b'{"items":' * depth + b"{}" + b"}" * depth
                    + b"}}}", fault="response_format") for depth in (200, 800)]
-    cases += [Case("bad auth", COMPLETIONS, encode(base(COMPLETIONS)), auth=auth)
+    cases += [FrontCase("bad auth", COMPLETIONS, encode(base(COMPLETIONS)), auth=auth)
               for auth in (None, b"Bearer wrong", b"Bearer \xff\xfe", GOOD_AUTH + b"x", b"\x80")]
     return cases
 
@@ -397,7 +397,7 @@ def required(path: str) -> set[str]:
             DETOKENIZE: {"tokens"}}[path]
 
 
-def judge(case: Case, reply: Reply) -> list[tuple[str, str]]:
+def judge(case: FrontCase, reply: Reply) -> list[tuple[str, str]]:
     """What this answer breaks, as (check, what)."""
     wrong: list[tuple[str, str]] = []
     status = reply.status
@@ -429,7 +429,7 @@ def judge(case: Case, reply: Reply) -> list[tuple[str, str]]:
     return wrong
 
 
-def error_body(reply: Reply, body: Mapping[str, Any], case: Case, roots: set[str]) -> list[tuple[str, str]]:
+def error_body(reply: Reply, body: Mapping[str, Any], case: FrontCase, roots: set[str]) -> list[tuple[str, str]]:
     try:
         error = strict_json(reply.body)["error"]
         message, kind, param, code = error["message"], error["type"], error["param"], error["code"]
@@ -806,7 +806,7 @@ def run(quick: bool) -> DrillRow:
             steady.start()
             started = time.monotonic()
 
-            def send(case: Case) -> None:
+            def send(case: FrontCase) -> None:
                 reply = exchange(port, http_request(case.path, case.raw, auth=case.auth, headers=case.headers))
                 statuses[str(reply.status)] += 1
                 tally.record(case.kind, judge(case, reply), case.replay)
@@ -816,7 +816,7 @@ def run(quick: bool) -> DrillRow:
                 statuses["cut" if reply is None else str(reply.status)] += 1
                 wrong = []
                 if reply is not None and whole:  # a half-closed caller's answer: the request's own
-                    wrong = judge(Case("cut", COMPLETIONS, encode(STREAM_BODY if cut.stream else WHOLE_BODY),
+                    wrong = judge(FrontCase("cut", COMPLETIONS, encode(STREAM_BODY if cut.stream else WHOLE_BODY),
                                        valid=True), reply)
                 elif reply is not None and reply.status is not None and reply.status >= 500:
                     wrong = [("2xx or 4xx, never 5xx", f"{cut}: {reply.short()}")]
@@ -833,7 +833,7 @@ def run(quick: bool) -> DrillRow:
                 elif due is not None and reply.status != due:
                     wrong.append((f"the status due ({due})", f"{what}: {reply.short()}"))
                 elif reply.status >= 400 and reply.headers.get("content-type", "").startswith("application/json"):
-                    wrong += error_body(reply, {}, Case(what, COMPLETIONS, b""), set())  # aiohttp's own: text
+                    wrong += error_body(reply, {}, FrontCase(what, COMPLETIONS, b""), set())  # aiohttp's own: text
                 tally.record("connection", wrong, lambda: what)
 
             note(NAME, f"{len(EDGES)} edges, {len(FIXED_CUTS)} cuts and the connection cases, then {n_cases} drawn "
