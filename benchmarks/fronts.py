@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from client_overhead import _NoHealth, _NoObserver  # benchmarks/client_overhead.py: the same stand-ins
 from llamacpp import CONTENDED, OthersBusy  # benchmarks/llamacpp.py
-from prefill import cpu_name, positive_int, tree_cpu_s  # benchmarks/prefill.py
+from prefill import cpu_name, distinct_positive_ints, positive_int, tree_cpu_s  # benchmarks/prefill.py
 
 from bench_client import metrics
 from bench_client.config import PolicyConfig, WorkloadConfig
@@ -219,22 +219,12 @@ def report(runs: Sequence[FrontRun], info: ServerInfo, command: Sequence[str], a
     return ok
 
 
-def _concurrency(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"comma-separated ints expected, got {text!r}") from e
-    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"distinct concurrencies >= 1 expected, got {text!r}")
-    return values
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2", help="the engine's --model (default: smollm2, its default)")
     ap.add_argument("--engine-args", default="", metavar="ARGS",
                     help="more engine arguments, split as a shell would (default: none)")
-    ap.add_argument("--concurrency", type=_concurrency, default=[1, 32], help="comma-separated (default: 1,32)")
+    ap.add_argument("--concurrency", type=distinct_positive_ints("concurrencies"), default=[1, 32], help="comma-separated (default: 1,32)")
     ap.add_argument("--context", type=positive_int, default=128, help="prompt tokens (default: 128)")
     ap.add_argument("--new-tokens", type=positive_int, default=64, help="new tokens per request (default: 64)")
     ap.add_argument("--requests", type=positive_int, default=None,

@@ -244,14 +244,19 @@ def measure_llamacpp(lengths: Sequence[int], threads: int, cache: Path | None) -
     return {p: llamacpp.prefill(bin_dir, files[p], lengths, threads) for p in PEER_PRECISIONS}
 
 
-def _lengths(text: str) -> list[int]:
-    try:
-        lengths = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"comma-separated ints expected, got {text!r}") from e
-    if not lengths or any(n < 1 for n in lengths) or len(set(lengths)) != len(lengths):
-        raise argparse.ArgumentTypeError(f"distinct positive lengths expected, got {text!r}")
-    return lengths
+def distinct_positive_ints(what: str) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated distinct integers >= 1 (`what` names them in the refusal)."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"comma-separated ints expected, got {text!r}") from e
+        if not values or any(n < 1 for n in values) or len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"distinct {what} >= 1 expected, got {text!r}")
+        return values
+
+    return parse
 
 
 def engine_configurations(ap: argparse.ArgumentParser, given: list[str] | None) -> list[str]:
@@ -314,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-args", action="append", default=None, metavar="ARGS",
                     help="arguments added to `python -m engine_service --port 0 --metrics-port 0`, one engine "
                          "configuration; may be given several times (default: one, with none: the defaults)")
-    ap.add_argument("--lengths", type=_lengths, default=list(LENGTHS),
+    ap.add_argument("--lengths", type=distinct_positive_ints("lengths"), default=list(LENGTHS),
                     help=f"prompt lengths, comma-separated (default: {','.join(map(str, LENGTHS))})")
     ap.add_argument("--repetitions", type=positive_int, default=REPETITIONS,
                     help=f"timed engine requests per length, the best kept (default: {REPETITIONS})")

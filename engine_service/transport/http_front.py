@@ -188,7 +188,7 @@ class HttpFront:
         "tokens", "token_strs"}` (the pieces when `return_token_strs`)."""
         try:
             self._check_token(request)
-            body = await _read_json(request)
+            body = await _read_json(request, self.cfg.max_receive_bytes)
             engine = await self.slot.engine()
             loaded = engine.loaded
             msg = pb.TokenizeRequest()
@@ -219,7 +219,7 @@ class HttpFront:
         """vLLM's: `{"tokens": [ids]}` -> `{"prompt": text}`."""
         try:
             self._check_token(request)
-            body = await _read_json(request)
+            body = await _read_json(request, self.cfg.max_receive_bytes)
             engine = await self.slot.engine()
             tokens = body.get("tokens")
             if not isinstance(tokens, list):
@@ -248,7 +248,7 @@ class HttpFront:
         code = grpc.StatusCode.CANCELLED  # unless the request gets further
         try:
             self._check_token(request)
-            body = await _read_json(request)
+            body = await _read_json(request, self.cfg.max_receive_bytes)
             engine = await self.slot.engine()
             call = parse_body(body, endpoint, _header_text(request, REQUEST_ID_HEADER), engine.info.model)
             parsed = self._parse(call, engine, _deadline(request, started))
@@ -385,8 +385,8 @@ class HttpFront:
             raise refused
 
 
-async def _read_json(request: web.Request) -> dict:  # type: ignore[type-arg]
-    limit = request.app._client_max_size  # aiohttp's own: the limit it enforces (--max-receive-bytes)
+async def _read_json(request: web.Request, limit: int) -> dict:  # type: ignore[type-arg]
+    """The body as a JSON object; `limit`: --max-receive-bytes, which aiohttp enforces too (client_max_size)."""
     # a Content-Length past the limit is refused before reading: a caller that announces 10 MB and
     # sends it slowly (or never) gets its 413 now, not once the limit's worth of bytes has come
     if request.content_length is not None and request.content_length > limit:
