@@ -1,6 +1,6 @@
-"""Next-token selection: greedy rows in one vectorised argmax, sampled rows each with their own
-seeded generator (temperature, then top-k, then top-p, then min-p, as Hugging Face orders its
-warpers). Greedy rows ignore all four. What changes the logits before this (logit_bias,
+"""Next-token selection: greedy rows in one vectorised argmax (`greedy`), sampled rows each with
+their own seeded generator (temperature, then top-k, then top-p, then min-p, as Hugging Face orders
+its warpers). Greedy rows ignore all four. What changes the logits before this (logit_bias,
 min_new_tokens, penalties) is engine_service/generation/logits_processors.py."""
 
 from __future__ import annotations
@@ -19,10 +19,27 @@ def new_generator(params: SamplingParams, device: torch.device) -> torch.Generat
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
+ARGMAX_BLOCK = 64
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` of (B, V), the same index (the first of equal maxima, or of NaNs),
+    in two passes when V is a multiple of ARGMAX_BLOCK: each block's max, the first block holding
+    the row's max, then the first max inside it. torch's CPU argmax over one long row is slow (its
+    reduction carries an index); SmolLM2's 49,152 logits, 2 threads, Zen 4, us for 1/8/32 rows:
+    30/67/211 against 76/338/1,217."""
+    rows, vocab = logits.shape
+    if vocab % ARGMAX_BLOCK:
+        return logits.argmax(dim=-1)
+    blocks = logits.reshape(rows, vocab // ARGMAX_BLOCK, ARGMAX_BLOCK)  # a view unless the rows are strided
+    best = blocks.amax(dim=-1).argmax(dim=-1)  # (B,): amax keeps a NaN, so a NaN's block wins as argmax's NaN does
+    return best * ARGMAX_BLOCK + blocks[torch.arange(rows, device=logits.device), best].argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None]) -> list[int]:
     """One token per row of `logits` (B, V), float32."""
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy(logits)
     for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:
             tokens[row] = _sample_row(logits[row], p, generator)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_service.generation.sampler import warped_probs
+from engine_service.generation.sampler import greedy, warped_probs
 from engine_service.requests import SamplingParams
 
 METHODS = ("ngram",)
@@ -103,7 +103,7 @@ def verify(draft: Sequence[int], logits: torch.Tensor, params: SamplingParams,
 
 
 def _verify_greedy(draft: Sequence[int], logits: torch.Tensor) -> list[int]:
-    targets = logits.argmax(dim=-1).tolist()  # the argmax `sample` takes, ties broken alike
+    targets = greedy(logits).tolist()  # the argmax `sample` takes, ties broken alike
     for i, token in enumerate(draft):
         if token != targets[i]:
             return targets[:i + 1]

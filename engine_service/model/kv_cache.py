@@ -47,6 +47,21 @@ class KVCache(nn.Module):
             t[:, a, :, :length_b].copy_(t[:, b, :, :length_b])
             t[:, b, :, :length_a].copy_(kept)
 
+    def decode_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(d * KV,): where `write_decode` puts row rows[i]'s key head h at positions[i], as an index
+        into one layer's keys seen as (rows x KV heads x positions, D) vectors, i-major."""
+        _, _, heads, context, _ = self.k.shape
+        head = torch.arange(heads, device=rows.device)
+        return ((rows[:, None] * heads + head[None, :]) * context + positions[:, None]).reshape(-1)
+
+    def write_decode(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer `layer`'s keys and values of d decoding rows, `k`/`v` (KV, d, D), at `slots`
+        (`decode_slots`). One index_copy_ each: an index_put_ on (rows, positions) took 9.1 us to its
+        4.9 (traced, one row, 2 threads, Zen 4)."""
+        dim = self.k.shape[-1]
+        self.k[layer].view(-1, dim).index_copy_(0, slots, k.transpose(0, 1).reshape(-1, dim))
+        self.v[layer].view(-1, dim).index_copy_(0, slots, v.transpose(0, 1).reshape(-1, dim))
+
     def bytes_per_token(self) -> int:
         layers, _, heads, _, dim = self.k.shape
         return 2 * layers * heads * dim * self.k.element_size()
