@@ -9,6 +9,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sequence as Seq
 from types import SimpleNamespace
 from typing import Any
 
@@ -287,14 +288,14 @@ class SpyBudget(PrefillBudget):
         self.calls: list[tuple[object, ...]] = []
         self.answers: list[int] = []
 
-    def tokens(self, decoding: int) -> int:
-        self.calls.append(("tokens", decoding))
-        self.answers.append(super().tokens(decoding))
+    def tokens(self, decoding: int, position: int = 0) -> int:
+        self.calls.append(("tokens", decoding, position))
+        self.answers.append(super().tokens(decoding, position))
         return self.answers[-1]
 
-    def observe(self, decoding: int, prefill_tokens: int, seconds: float) -> None:
-        self.calls.append(("observe", decoding, prefill_tokens, round(seconds, 9)))
-        super().observe(decoding, prefill_tokens, seconds)
+    def observe(self, decoding: int, chunks: Seq[PromptChunk], seconds: float) -> None:
+        self.calls.append(("observe", decoding, [(c.row, c.start, c.length) for c in chunks], round(seconds, 9)))
+        super().observe(decoding, chunks, seconds)
 
 
 def budget_harness(monkeypatch: pytest.MonkeyPatch, budget: PrefillBudget) -> Harness:
@@ -315,9 +316,9 @@ def test_each_step_asks_the_budget_for_its_decoding_rows_and_tells_it_the_steps_
     h.step()  # a decodes, b prefills beside it
     h.step()  # both decode
     assert budget.calls == [
-        ("tokens", 0), ("observe", 0, 2, STEP_SECONDS),
-        ("tokens", 1), ("observe", 1, 2, STEP_SECONDS),
-        ("tokens", 2), ("observe", 2, 0, STEP_SECONDS),
+        ("tokens", 0, 0), ("observe", 0, [(0, 0, 2)], STEP_SECONDS),
+        ("tokens", 1, 0), ("observe", 1, [(1, 0, 2)], STEP_SECONDS),
+        ("tokens", 2, 0), ("observe", 2, [], STEP_SECONDS),
     ]
     assert h.sched.prefill_token_budget == budget.answers[-1]  # each step plans with what the budget said
     assert budget.describe()["decode_ms"] == {2: 12.34}
@@ -334,9 +335,9 @@ def test_a_step_that_prefills_beside_decoding_rows_logs_prefill_step(monkeypatch
     assert log.calls == []
     h.submit(request("b", max_new=5))
     h.step()
-    estimates = {"fixed": 48, "token_ms_idle": 6.17, "decode_ms": {1: 12.34}}  # 12.34 ms for a's 2 prompt tokens
+    estimates = {"fixed": 48, "parity": None, "token_ms_idle": 6.17, "decode_ms": {1: 12.34}}  # 12.34 ms for a's 2 prompt tokens
     assert budget.describe() == estimates
-    assert log.calls == [("debug", "prefill_step", {"decoding": 1, "tokens": 2, "budget": 48, "ms": 12.3,
+    assert log.calls == [("debug", "prefill_step", {"decoding": 1, "tokens": 2, "position": 0, "budget": 48, "ms": 12.3,
                                                      **estimates})]
 
 

@@ -285,3 +285,20 @@ def test_removing_the_last_row_moves_nothing():
     moves = Moves()
     sched.remove_rows([1], moves)
     assert moves.calls == [] and ids(sched.rows) == ["a"]
+
+
+def test_the_prefill_position_is_where_the_first_admitted_prefilling_row_stands() -> None:
+    sched = scheduler(max_batch=3)
+    assert sched.prefill_position == 0  # nothing prefills
+    first, second, third = seq("a", 40, cache_len=16), seq("b", 40, cache_len=32), seq("c", 40, cache_len=8)
+    for s in (first, second, third):
+        sched.submit(s)
+    sched.admit()
+    assert sched.prefill_position == 16
+    first.cache_len = 40
+    sched.promote([first], Swaps())  # a decodes: b, admitted before c, comes next
+    assert sched.prefill_position == 32
+    sched.promote([second], Swaps())
+    assert sched.prefill_position == 8
+    sched.promote([third], Swaps())
+    assert sched.prefill_position == 0  # all decode

@@ -4,6 +4,7 @@ finds it, over a real Scheduler and DecodeLoop."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import replace
 
 import pytest
@@ -14,6 +15,7 @@ from engine_service.generation.controls import Controls
 from engine_service.generation.output_text import OutputText
 from engine_service.generation.sampler import new_generator
 from engine_service.generation.speculative import SpeculativeConfig, verify
+from engine_service.model.kv_cache import PromptChunk
 from engine_service.requests import Request, SamplingParams
 from engine_service.runtime.delta import Delta
 from engine_service.runtime.loop import DecodeLoop
@@ -265,9 +267,9 @@ class SpyBudget(PrefillBudget):
         super().__init__(None, 256)
         self.observed: list[tuple[int, int]] = []
 
-    def observe(self, decoding: int, prefill_tokens: int, seconds: float) -> None:
-        self.observed.append((decoding, prefill_tokens))
-        super().observe(decoding, prefill_tokens, seconds)
+    def observe(self, decoding: int, chunks: Seq[PromptChunk], seconds: float) -> None:
+        self.observed.append((decoding, sum(c.length for c in chunks)))
+        super().observe(decoding, chunks, seconds)
 
 
 def test_a_speculating_step_does_not_feed_the_prefill_budget() -> None:

@@ -30,7 +30,7 @@ from engine_service.runtime.engine import Engine, EngineInfo, FatalCallback
 from engine_service.runtime.loop import DecodeLoop, Deliver, set_threads
 from engine_service.runtime.model_runner import ModelRunner
 from engine_service.runtime.speculator import Speculator
-from engine_service.scheduling.prefill_budget import PrefillBudget
+from engine_service.scheduling.prefill_budget import PrefillBudget, attention_parity
 from engine_service.scheduling.prefix_cache import PrefixCache
 from engine_service.scheduling.scheduler import Scheduler
 
@@ -69,7 +69,7 @@ async def build_engine(config: EngineConfig) -> Engine:
         loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
     limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)
     info = _engine_info(cfg, loaded, precision, device, cpu)
-    budget = PrefillBudget(cfg.max_prefill_tokens, cfg.max_context)
+    budget = PrefillBudget(cfg.max_prefill_tokens, cfg.max_context, attention_parity(loaded.config))
     scheduler = Scheduler(cfg.max_batch, cfg.max_context, cfg.queue_capacity, cfg.queue_retry_seconds,
                           prefill_token_budget=budget.tokens(1))
 

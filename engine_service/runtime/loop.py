@@ -98,7 +98,7 @@ class DecodeLoop:
             return
         self.steps += 1
         self.faults.before_forward(self.steps)
-        sched.prefill_token_budget = self.prefill_budget.tokens(sched.decoding)
+        sched.prefill_token_budget = self.prefill_budget.tokens(sched.decoding, sched.prefill_position)
         plan = sched.plan(lambda seq, row: self._start(seq, row, now),
                           self.speculator.drafts if self.speculator is not None else None)
         # forward + sample: the decoding rows, then the prompts whose last chunk this is
@@ -112,7 +112,7 @@ class DecodeLoop:
         producing = plan.producing
         tokens = self._tokens(logits.sampled, plan)
         if not plan.speculative:  # a verify step's time is no measure of a decode step's
-            self._time_prefill(len(plan.decodes), plan.prefill_tokens, time.perf_counter() - started)
+            self._time_prefill(plan, time.perf_counter() - started)
         # emit: one sequence failing is that sequence's business alone
         emitted_at = time.monotonic()
         doomed = self.faults.doomed_rows(self.steps, [e.seq.request_id for e in producing],
@@ -158,11 +158,13 @@ class DecodeLoop:
         seq, chunk = prefill.seq, prefill.chunk
         seq.controls.echo(logits, seq.request.prompt_ids[chunk.start + 1:chunk.start + chunk.length + 1])
 
-    def _time_prefill(self, decoding: int, fed: int, seconds: float) -> None:
+    def _time_prefill(self, plan: StepPlan, seconds: float) -> None:
         """Give a plain step's time to the prefill budget, which adapts to it."""
-        self.prefill_budget.observe(decoding, fed, seconds)
+        decoding, fed = len(plan.decodes), plan.prefill_tokens
+        self.prefill_budget.observe(decoding, [p.chunk for p in plan.prefills], seconds)
         if fed and decoding:
-            log.debug("prefill_step", decoding=decoding, tokens=fed, budget=self.scheduler.prefill_token_budget,
+            log.debug("prefill_step", decoding=decoding, tokens=fed, position=plan.prefills[0].chunk.start,
+                      budget=self.scheduler.prefill_token_budget,
                       ms=round(seconds * 1000, 1), **self.prefill_budget.describe())
 
     def _start(self, seq: Sequence, row: int, now: float) -> None:

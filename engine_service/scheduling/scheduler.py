@@ -132,6 +132,14 @@ class Scheduler:
         decoding = self._running[:self._decoding]
         return StepPlan.build(decoding, self._chunks(start), drafts(decoding) if drafts is not None else None)
 
+    @property
+    def prefill_position(self) -> int:
+        """Where the next step's first chunk starts: the cached length of the prefilling row
+        admitted first (0 when none prefills; a prompt not yet started may then skip a cached
+        prefix)."""
+        prefilling = self._running[self._decoding:]
+        return min(prefilling, key=lambda seq: seq.admitted).cache_len if prefilling else 0
+
     def _chunks(self, start: Callable[[Sequence, int], None]) -> list[tuple[Sequence, PromptChunk]]:
         """This step's prompt chunks: the prefilling rows in admission order, each given the rest of
         its prompt or what remains of the budget, until the budget is spent. The budget is the
