@@ -288,7 +288,7 @@ class SpyBudget(PrefillBudget):
         self.calls: list[tuple[object, ...]] = []
         self.answers: list[int] = []
 
-    def tokens(self, decoding: int, position: int = 0) -> int:
+    def tokens(self, decoding: int, position: int) -> int:
         self.calls.append(("tokens", decoding, position))
         self.answers.append(super().tokens(decoding, position))
         return self.answers[-1]

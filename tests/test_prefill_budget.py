@@ -39,37 +39,37 @@ def test_a_fixed_budget_ignores_the_step_times() -> None:
     budget = PrefillBudget(96, 2048)
     budget.observe(8, NONE, 0.030)
     budget.observe(0, idle(96), 1.0)
-    assert budget.tokens(8) == 96
+    assert budget.tokens(8, 0) == 96
 
 
 def test_before_both_costs_are_timed_the_start_budget_serves() -> None:
     budget = PrefillBudget(None, 2048)
-    assert budget.tokens(8) == START_TOKENS
+    assert budget.tokens(8, 0) == START_TOKENS
     budget.observe(8, NONE, 0.030)  # a decode step, but no prefill cost yet
-    assert budget.tokens(8) == START_TOKENS
+    assert budget.tokens(8, 0) == START_TOKENS
     budget = PrefillBudget(None, 2048)
     budget.observe(0, idle(500), 0.500)  # a prefill cost, but no decode step yet
-    assert budget.tokens(8) == START_TOKENS
+    assert budget.tokens(8, 0) == START_TOKENS
 
 
 def test_the_budget_is_stall_factor_decode_steps_of_chunk_tokens() -> None:
     budget = PrefillBudget(None, 4096)
     budget.observe(8, NONE, 0.040)
     budget.observe(0, idle(500), 0.500)  # 1 ms a token with nothing decoding
-    assert budget.tokens(8) == expected(0.040, 0.001) > MIN_TOKENS
+    assert budget.tokens(8, 0) == expected(0.040, 0.001) > MIN_TOKENS
     budget.observe(8, [PromptChunk(8, 0, 64)], 5.0)  # a step that prefills beside decoding rows changes neither cost
-    assert budget.tokens(8) == expected(0.040, 0.001)
+    assert budget.tokens(8, 0) == expected(0.040, 0.001)
 
 
 def test_the_budget_stays_within_its_floor_and_max_tokens() -> None:
     budget = PrefillBudget(None, 300)
     budget.observe(1, NONE, 0.010)
     budget.observe(0, idle(100), 10.0)  # 100 ms a token: a fraction of one token fits
-    assert budget.tokens(1) == MIN_TOKENS
+    assert budget.tokens(1, 0) == MIN_TOKENS
     budget = PrefillBudget(None, 300)
     budget.observe(1, NONE, 1.0)
     budget.observe(0, idle(100), 0.001)  # 10 us a token: far more than max_tokens fit
-    assert budget.tokens(1) == 300
+    assert budget.tokens(1, 0) == 300
 
 
 def test_the_decode_step_of_the_nearest_row_count_serves_and_averages_move() -> None:
@@ -80,10 +80,10 @@ def test_the_decode_step_of_the_nearest_row_count_serves_and_averages_move() -> 
     budget.observe(0, NONE, 9.0)  # a step that ran nothing times nothing
     assert budget.describe()["decode_ms"] == {4: 23.0, 16: 50.0}
     budget.observe(0, idle(1000), 0.100)  # 0.1 ms a token
-    assert budget.tokens(15) == expected(0.050, 0.0001)  # nearest: 16 rows
-    assert budget.tokens(5) == expected(0.023, 0.0001)  # nearest: 4 rows
-    assert budget.tokens(10) == expected(0.023, 0.0001)  # 6 from either: the fewer rows
-    assert budget.tokens(16) == expected(0.050, 0.0001)
+    assert budget.tokens(15, 0) == expected(0.050, 0.0001)  # nearest: 16 rows
+    assert budget.tokens(5, 0) == expected(0.023, 0.0001)  # nearest: 4 rows
+    assert budget.tokens(10, 0) == expected(0.023, 0.0001)  # 6 from either: the fewer rows
+    assert budget.tokens(16, 0) == expected(0.050, 0.0001)
 
 
 # -- found by `make mutate` (docs/mutation-testing.md) -------------------------------------------
@@ -109,7 +109,7 @@ def test_an_idle_prefill_timed_at_zero_seconds_leaves_the_start_budget() -> None
     budget = PrefillBudget(None, 4096)
     budget.observe(8, NONE, 0.040)
     budget.observe(0, idle(100), 0.0)  # a clock too coarse to see it: no cost per token to divide by
-    assert budget.tokens(8) == START_TOKENS
+    assert budget.tokens(8, 0) == START_TOKENS
 
 
 # -- the position a chunk starts at ------------------------------------------------------------

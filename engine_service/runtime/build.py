@@ -71,7 +71,7 @@ async def build_engine(config: EngineConfig) -> Engine:
     info = _engine_info(cfg, loaded, precision, device, cpu)
     budget = PrefillBudget(cfg.max_prefill_tokens, cfg.max_context, attention_parity(loaded.config))
     scheduler = Scheduler(cfg.max_batch, cfg.max_context, cfg.queue_capacity, cfg.queue_retry_seconds,
-                          prefill_token_budget=budget.tokens(1))
+                          prefill_token_budget=budget.tokens(1, 0))
 
     def decode_loop(deliver: Deliver, on_fatal: FatalCallback) -> DecodeLoop:
         return DecodeLoop(runner, scheduler, FaultInjector(cfg.faults), _end_tokens(loaded), deliver, on_fatal,

@@ -72,7 +72,7 @@ class PrefillBudget:
         self._decode: dict[int, float] = {}  # decoding rows -> seconds of a decode-only step
         self._token_idle: float | None = None  # seconds per prompt token at position 0, nothing decoding
 
-    def tokens(self, decoding: int, position: int = 0) -> int:
+    def tokens(self, decoding: int, position: int) -> int:
         """The budget of a step with `decoding` rows decoding (> 0; an idle step has its own rule)
         whose first chunk starts at `position`."""
         if self.fixed is not None:
