@@ -146,11 +146,9 @@ class Attention(nn.Module):
         """cos/sin (B, T, 1, D). Rotary is applied to q and k together, as one tensor."""
         b, t, _ = x.shape
         h, kv = self.heads, self.kv_heads
-        qkv = self.qkv(x).view(b, t, h + 2 * kv, self.head_dim)
-        qk = apply_rope(qkv[:, :, :h + kv], cos, sin)  # (B, T, H + KV, D)
-        q = qk[:, :, :h].transpose(1, 2)  # (B, H, T, D)
-        k = qk[:, :, h:].transpose(1, 2)  # (B, KV, T, D)
-        return q, k, qkv[:, :, h + kv:].transpose(1, 2)
+        qk, v = self.qkv(x).view(b, t, h + 2 * kv, self.head_dim).split((h + kv, kv), dim=2)
+        q, k = apply_rope(qk, cos, sin).split((h, kv), dim=2)  # (B, T, H + KV, D) rotated
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), (B, KV, T, D) x 2
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
                 slots: torch.Tensor, mask: torch.Tensor | None, chunks: Sequence[PromptChunk],
@@ -167,15 +165,16 @@ class Attention(nn.Module):
         d = rows.shape[0]
         outs = []
         if d:
-            cache.write_decode(self.layer, slots, k[0, :, :d], v[0, :, :d])
+            cache.write_decode(self.layer, slots, k[0].narrow(1, 0, d), v[0].narrow(1, 0, d))
             length = mask.shape[-1]  # type: ignore[union-attr]
             # the G query heads that share a KV head as G query rows against it, (d, KV, G, D):
             # the same attention as enable_gqa's (head h reads KV head h // G), in a fraction of
             # its time on CPU (bfloat16, SmolLM2, one row at 210 positions, 1 thread: 38 us
             # against 199; 8 rows 246 against 1,551; 32 rows 1,006 against 6,413)
             out = F.scaled_dot_product_attention(
-                q[0, :, :d].transpose(0, 1).reshape(d, self.kv_heads, self.heads // self.kv_heads, self.head_dim),
-                cache.k[self.layer, :d, :, :length], cache.v[self.layer, :d, :, :length], attn_mask=mask)
+                q[0].narrow(1, 0, d).transpose(0, 1).reshape(d, self.kv_heads, self.heads // self.kv_heads, self.head_dim),
+                cache.k[self.layer].narrow(0, 0, d).narrow(2, 0, length),
+                cache.v[self.layer].narrow(0, 0, d).narrow(2, 0, length), attn_mask=mask)
             outs.append(out.reshape(d, width))
         at = d
         for chunk, chunk_mask_ in zip(chunks, masks, strict=True):
@@ -202,8 +201,8 @@ class MLP(nn.Module):
         self.size = config.intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)
-        return self.down(F.silu(gate_up[..., :self.size]) * gate_up[..., self.size:])
+        gate, up = self.gate_up(x).split(self.size, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -68,9 +68,14 @@ class Int4Weight:
     max_rows: int
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(self.scales_and_zeros.dtype)
-        out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scales_and_zeros)
-        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+        # as few operators as the shapes allow: a traced one-row step makes 120 of these calls, and
+        # each operator of a trace costs its dispatch (a no-op `to` included)
+        flat = x.flatten(0, -2) if x.dim() > 2 else x
+        kernel = self.scales_and_zeros.dtype
+        out = torch._weight_int4pack_mm_for_cpu(flat if flat.dtype == kernel else flat.to(kernel), self.packed,
+                                                INT4_GROUP, self.scales_and_zeros)
+        out = out if out.dtype == x.dtype else out.to(x.dtype)
+        return out.unflatten(0, x.shape[:-1]) if x.dim() > 2 else out
 
 
 class DynamicInt8Weight(torch.nn.Module):
