@@ -144,9 +144,8 @@ class Attention(nn.Module):
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[no-untyped-def]
         """cos/sin (B, T, 1, D). Rotary is applied to q and k together, as one tensor."""
-        b, t, _ = x.shape
         h, kv = self.heads, self.kv_heads
-        qk, v = self.qkv(x).view(b, t, h + 2 * kv, self.head_dim).split((h + kv, kv), dim=2)
+        qk, v = self.qkv(x).unflatten(-1, (h + 2 * kv, self.head_dim)).split((h + kv, kv), dim=2)
         q, k = apply_rope(qk, cos, sin).split((h, kv), dim=2)  # (B, T, H + KV, D) rotated
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), (B, KV, T, D) x 2
 
@@ -158,7 +157,6 @@ class Attention(nn.Module):
         tokens, one chunk after another. The projections run over all M tokens at once; attention
         reads views of the cache, never a gather: the decoding rows as one batch, each chunk over
         its own row, as its mask in `masks` says (None: a chunk from position 0, plain causal)."""
-        _, m, _ = x.shape
         width = self.heads * self.head_dim
         gqa = self.heads != self.kv_heads
         q, k, v = self._qkv(x, cos, sin)  # q (1, H, M, D), k/v (1, KV, M, D)
@@ -187,7 +185,7 @@ class Attention(nn.Module):
                 enable_gqa=gqa)  # (1, H, T, D)
             outs.append(out[0].transpose(0, 1).reshape(chunk.length, width))
             at += chunk.length
-        return self.out((outs[0] if len(outs) == 1 else torch.cat(outs)).view(1, m, width))
+        return self.out((outs[0] if len(outs) == 1 else torch.cat(outs)).unsqueeze(0))  # (1, M, width)
 
 
 class MLP(nn.Module):

@@ -70,6 +70,8 @@ class Int4Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         # as few operators as the shapes allow: a traced one-row step makes 120 of these calls, and
         # each operator of a trace costs its dispatch (a no-op `to` included)
+        if x.dim() == 3 and x.shape[0] == 1:  # the model's (1, M, K): no sizes to carry through
+            return self.matmul(x[0]).unsqueeze(0)
         flat = x.flatten(0, -2) if x.dim() > 2 else x
         kernel = self.scales_and_zeros.dtype
         out = torch._weight_int4pack_mm_for_cpu(flat if flat.dtype == kernel else flat.to(kernel), self.packed,
