@@ -1,0 +1,158 @@
+"""This checkout's decode step against a git ref's, in one process, timed in alternation.
+
+    python benchmarks/step_ab.py --against REF [--model smollm2] [--rows 1,8,32] [--rounds 200]
+                                 [--context 160] [--dtype auto] [--quantize auto]
+
+Two engines timed one after the other drift with the machine (steal time, a busy neighbour, the
+clock: 10-30% from run to run on these 2-core machines), more than most single changes move a
+step. So both steps are built in this one process and timed in turn, A (REF) then B (this
+checkout), round after round:
+
+1. REF's tree is extracted with `git archive` into a temporary directory; its packages are imported
+   from there and a ModelRunner is built as the engine builds one on this machine (`--dtype` and
+   `--quantize` chosen as the engine chooses them, the LM head's 8-bit activations and the
+   prepacked weights likewise, the traced decode); then its modules leave sys.modules and this
+   checkout's are imported to build the second. Each keeps its own code: a function holds its
+   module's globals.
+2. For each row count: one decode step of every row at `--context` positions on each, whether the
+   two give the same logits bit for bit, then `--rounds` rounds of one step on A and one on B.
+
+Prints each side's median and 10th percentile, and B / A for both (below 1: this checkout is
+faster). Both runners hold their own weights and KV cache (about 2 x 0.5 GB for SmolLM2 in
+bfloat16 with int4 copies at 2,048 positions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("engine_service", "shared", "engine", "tools")  # what a checkout's engine imports of its own
+MAX_BATCH = 32
+MAX_CONTEXT = 2048
+
+
+class StepAbError(RuntimeError):
+    """A step of the comparison failed: the ref, its extraction, a build."""
+
+
+@dataclass(frozen=True)
+class Side:
+    name: str
+    step: Any  # the runner's decode: (tokens (B,), positions (B,)) -> logits (B, V)
+
+
+def extract(ref: str, into: Path) -> Path:
+    """REF's tree, from `git archive`, under `into`."""
+    archive = into / "ref.tar"
+    try:
+        with archive.open("wb") as out:
+            subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref], stdout=out, check=True,
+                           stderr=subprocess.PIPE)
+    except subprocess.CalledProcessError as e:
+        raise StepAbError(f"git archive of --against {ref!r} failed: {e.stderr.decode(errors='replace').strip()}") from e
+    tree = into / "tree"
+    with tarfile.open(archive) as tar:
+        tar.extractall(tree, filter="data")
+    return tree
+
+
+def forget_packages() -> None:
+    """Drop every module of PACKAGES from sys.modules, so that the next import reads another tree."""
+    for name in [n for n in sys.modules if n.split(".")[0] in PACKAGES]:
+        del sys.modules[name]
+
+
+def build(root: Path, name: str, model: str, dtype: str, quantize: str) -> Side:
+    """A ModelRunner from the checkout at `root`, built as its engine builds one on this machine."""
+    forget_packages()
+    sys.path.insert(0, str(root))
+    try:
+        from engine_service.machine.cpu import detect
+        from engine_service.machine.precision import (
+            choose_dtype,
+            choose_dynamic_head,
+            choose_onednn_weights,
+            choose_quantize,
+        )
+        from engine_service.model.loader import load_model
+        from engine_service.runtime.build import DTYPES
+        from engine_service.runtime.model_runner import ModelRunner
+
+        cpu = detect()
+        dtype_name, _ = choose_dtype(dtype, "cpu", cpu)
+        device = torch.device("cpu")
+        loaded = load_model(model, device, DTYPES[dtype_name])
+        quantization, _ = choose_quantize(quantize, "cpu", loaded.weight_format)
+        dynamic_head, _ = choose_dynamic_head(quantization, "cpu", cpu)
+        runner = ModelRunner(loaded.model, MAX_BATCH, MAX_CONTEXT, device, DTYPES[dtype_name], quantization, True,
+                             dynamic_head, choose_onednn_weights(dtype_name, "cpu"))
+    except ImportError as e:
+        raise StepAbError(f"{name} ({root}): the engine's build cannot be imported as this script expects: {e}") from e
+    finally:
+        sys.path.remove(str(root))
+    print(f"{name}: {loaded.name} in {dtype_name}, quantization {quantization} ({root})", flush=True)
+    return Side(name, runner._decode)  # the traced decode the loop runs for a step with no prompt chunk
+
+
+def compare(a: Side, b: Side, rows: int, context: int, rounds: int) -> None:
+    tokens = torch.full((rows,), 100, dtype=torch.long)
+    positions = torch.full((rows,), context - 1, dtype=torch.long)
+    same = torch.equal(a.step(tokens, positions), b.step(tokens, positions))
+    times: dict[str, list[float]] = {a.name: [], b.name: []}
+    for _ in range(5):
+        a.step(tokens, positions)
+        b.step(tokens, positions)
+    for _ in range(rounds):
+        for side in (a, b):
+            started = time.perf_counter()
+            side.step(tokens, positions)
+            times[side.name].append(time.perf_counter() - started)
+    tenth = max(rounds // 10, 1)
+    med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+    p10 = {n: sorted(t)[tenth - 1] * 1e3 for n, t in times.items()}
+    print(f"rows {rows:3}: A {med[a.name]:7.3f} ms (p10 {p10[a.name]:7.3f}), B {med[b.name]:7.3f} ms "
+          f"(p10 {p10[b.name]:7.3f}); B / A median {med[b.name] / med[a.name]:.3f}, p10 "
+          f"{p10[b.name] / p10[a.name]:.3f}; logits {'bit-identical' if same else 'DIFFER'}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", required=True, help="the git ref to compare with (A)")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantize", default="auto")
+    parser.add_argument("--rows", default="1,8", help="decoding rows, comma-separated (each at most 32)")
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--context", type=int, default=160, help="positions each row attends (at most 2,048)")
+    args = parser.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    if not all(0 < r <= MAX_BATCH for r in rows):
+        parser.error(f"--rows {args.rows!r}: each count must be 1..{MAX_BATCH}")
+    if not 0 < args.context <= MAX_CONTEXT:
+        parser.error(f"--context {args.context}: must be 1..{MAX_CONTEXT}")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: must be at least 1")
+    try:
+        with tempfile.TemporaryDirectory(prefix="step-ab-") as tmp:
+            a = build(extract(args.against, Path(tmp)), f"A ({args.against})", args.model, args.dtype, args.quantize)
+            b = build(ROOT, "B (this checkout)", args.model, args.dtype, args.quantize)
+            for n in rows:
+                compare(a, b, n, args.context, args.rounds)
+    except StepAbError as e:
+        sys.exit(f"step_ab: {e}")
+
+
+if __name__ == "__main__":
+    main()
