@@ -31,9 +31,9 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -50,7 +50,7 @@ class StepAbError(RuntimeError):
 @dataclass(frozen=True)
 class Side:
     name: str
-    step: Any  # the runner's decode: (tokens (B,), positions (B,)) -> logits (B, V)
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # the runner's decode: tokens, positions (B,) -> logits (B, V)
 
 
 def extract(ref: str, into: Path) -> Path:
