@@ -26,14 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display: set before pyplot is imported
-import matplotlib.pyplot as plt
 from rich.console import Console
 from rich.table import Table
 
 from bench_client.export import with_defaults
+from bench_client.figures import pyplot
 from bench_client.results import ResultsError, engine_key, rate_from_json
 
 
@@ -230,6 +227,7 @@ def write_plot(comparisons: Sequence[Comparison], path: Path) -> Path | None:
     if not any(row.ratio(m) is not None for c in comparisons for row in c.rows for m in MEASURES):
         return None
     widest = max(len(c.rows) for c in comparisons)
+    plt = pyplot()
     fig, axes = plt.subplots(len(comparisons), 1, figsize=(max(7.0, 1.2 * widest + 3), 4.5 * len(comparisons)),
                              squeeze=False)
     for ax, c in zip(axes[:, 0], comparisons, strict=True):

@@ -21,12 +21,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display: set before pyplot is imported
-import matplotlib.pyplot as plt
 from rich.console import Console
 from rich.table import Table
+
+from bench_client.figures import pyplot
 
 THROUGHPUT_PLOT = "throughput_vs_concurrency.png"
 LATENCY_PLOT = "latency_vs_context.png"
@@ -182,6 +180,7 @@ def _facet_plot(records: Sequence[dict[str, Any]], path: Path, *, x_key: str, x_
                     key=lambda f: tuple(float(v) if v != "inf" else float("inf") for v in f))
     engines = sorted({_line_label(r) for r in records})
     colors = {label: f"C{i % 10}" for i, label in enumerate(engines)}
+    plt = pyplot()
     fig, axes = plt.subplots(len(panels), len(facets), figsize=(3.6 * len(facets) + 1, 3.2 * len(panels) + 0.6),
                              squeeze=False)
     for column, facet in enumerate(facets):

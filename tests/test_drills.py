@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from drills import crash, http_peer, replicas
+from drills import crash, drain, fuzz, http_peer, overload, readers, replicas
 from drills.__main__ import DRILLS, run_one
 from tests.llama_server import require_llama_server
 
@@ -18,9 +18,14 @@ from tests.llama_server import require_llama_server
 # point once, a managed engine restarted after a crash), and the compose drill kills a replica
 # under a sweep and audits that nothing was lost. The http drill's (about 30 s, kill -9 of a real
 # llama-server and of the client) and the crash drill's (with its HTTP stream cut by the crash) run
-# in CI after `make test` instead (.ci/run: python -m drills --quick http crash), which keeps `make
-# test` under 10 minutes on 2 cores.
-SLOW = {replicas.NAME, crash.NAME, http_peer.NAME}
+# in CI after `make test` instead (.ci/run: python -m drills --quick ...), which keeps `make test`
+# under 10 minutes on 2 cores. So do the four longest of the others (quick, Xeon of family 6 model
+# 207: readers 17 s, drain 12, fuzz 10, overload 8), each of whose paths a test here also walks
+# once: a stalled reader aborted and its KV freed (test_security.py), a drain that finishes in-flight
+# streams and refuses new ones (test_engine_lifecycle.py), bad requests refused by name over both
+# fronts (the fuzz-front and fuzz-http drills below), a flood answered QUEUE_FULL with every accepted
+# request completed (test_engine_scheduling.py).
+SLOW = {replicas.NAME, crash.NAME, http_peer.NAME, readers.NAME, drain.NAME, fuzz.NAME, overload.NAME}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in DRILLS])

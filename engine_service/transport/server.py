@@ -14,7 +14,7 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
 import structlog
@@ -28,13 +28,15 @@ from engine_service.runtime.engine import Engine
 from engine_service.runtime.loop import FATAL_EXIT_CODE
 from engine_service.transport import early_stop
 from engine_service.transport.engine_slot import EngineSlot
-from engine_service.transport.http_front import HttpFront, RunningHttp
 from engine_service.transport.metrics import EngineMetrics, disabled_meter, start_metrics_server
 from engine_service.transport.security import BearerTokenInterceptor, server_credentials
 from engine_service.transport.servicer import SERVICE_NAME, EngineServicer
 from engine_service.transport.telemetry import RequestTelemetry
 from shared.errors import EngineDraining
 from shared.tracing import flush_traces
+
+if TYPE_CHECKING:  # imported where --http-port asks for it: aiohttp and the front cost 0.3 s of every start
+    from engine_service.transport.http_front import HttpFront, RunningHttp
 
 log = structlog.get_logger()
 
@@ -108,6 +110,8 @@ async def create_server(slot: EngineSlot, cfg: ServerConfig, telemetry: RequestT
     servicer.replica = replica_name(cfg.host, port)
     running = RunningServer(server, port, health_servicer, slot)
     if cfg.http_port is not None:
+        from engine_service.transport.http_front import HttpFront
+
         running.http = HttpFront(slot, telemetry, cfg)
         try:
             running.http_running = await running.http.start(cfg.host, cfg.http_port)
