@@ -22,9 +22,9 @@ from tests.llama_server import require_llama_server
 # under 10 minutes on 2 cores. So do the four longest of the others (quick, Xeon of family 6 model
 # 207: readers 17 s, drain 12, fuzz 10, overload 8), each of whose paths a test here also walks
 # once: a stalled reader aborted and its KV freed (test_security.py), a drain that finishes in-flight
-# streams and refuses new ones (test_engine_lifecycle.py), bad requests refused by name over both
-# fronts (the fuzz-front and fuzz-http drills below), a flood answered QUEUE_FULL with every accepted
-# request completed (test_engine_scheduling.py).
+# streams and refuses new ones (test_engine_lifecycle.py), bad gRPC requests refused by name without
+# disturbing a running stream (test_engine_contract.py; the HTTP front's by the fuzz-front drill
+# below), a flood answered QUEUE_FULL with every accepted request completed (test_engine_scheduling.py).
 SLOW = {replicas.NAME, crash.NAME, http_peer.NAME, readers.NAME, drain.NAME, fuzz.NAME, overload.NAME}
 
 
