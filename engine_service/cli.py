@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from engine_service.config import (
+    COMPILE_DECODE_CHOICES,
     DEFAULT_PREFIX_CACHE_TOKENS,
     DTYPE_CHOICES,
     QUANTIZE_CHOICES,
@@ -55,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--trace-decode", action=argparse.BooleanOptionalAction, default=True,
                    help="run the decode step as TorchScript traces made at start-up (the same operators without "
                         "Python's dispatch of each; a second or two to trace)")
+    m.add_argument("--compile-decode", default="auto", choices=COMPILE_DECODE_CHOICES,
+                   help="auto: on a CPU, for a quantized model, where a C++ compiler (g++ or $CXX) is found, the "
+                        "one-row decode step runs as a library AOTInductor compiles at the first start (a minute or "
+                        "two on 2 cores, then kept in $ENGINE_COMPILE_CACHE, else ~/.cache/engine-bench/compiled) "
+                        "and fuses the step's small operators in; its logits round differently from the trace's. "
+                        "off: the traced step alone. engine_ready says which ran and why")
     s = p.add_argument_group("scheduler and limits")
     s.add_argument("--max-batch", type=int, default=32, help="running sequences decoded together")
     s.add_argument("--max-context", type=int, default=2048,
@@ -132,7 +139,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         stream_interval=args.stream_interval,
         stall_seconds=args.stall_seconds,
         faults=FaultPlan.parse(args.fault), threads=args.threads, quantize=args.quantize,
-        trace_decode=args.trace_decode, speculative=args.speculative, speculative_tokens=args.speculative_tokens,
+        trace_decode=args.trace_decode, compile_decode=args.compile_decode, speculative=args.speculative, speculative_tokens=args.speculative_tokens,
     )
     server = ServerConfig(
         host=args.host, port=args.port, grace_seconds=args.grace_seconds, max_receive_bytes=args.max_receive_bytes,

@@ -42,6 +42,7 @@ class EngineConfig:
     speculative: str = "none"  # none, or ngram: prompt-lookup speculative decoding (engine_service/runtime/speculator.py)
     speculative_tokens: int = 6  # draft tokens per step and row with --speculative ngram
     trace_decode: bool = True  # the decode step through TorchScript traces (engine_service/model/traced_decode.py)
+    compile_decode: str = "auto"  # auto: one-row steps through AOTInductor where precision.py allows it, or off
 
     def __post_init__(self) -> None:
         _positive("max_batch", self.max_batch)
@@ -76,6 +77,9 @@ class EngineConfig:
         _positive("speculative_tokens", self.speculative_tokens)
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.compile_decode not in COMPILE_DECODE_CHOICES:
+            raise ValueError(f"compile_decode must be one of {', '.join(COMPILE_DECODE_CHOICES)}, "
+                             f"got {self.compile_decode!r}")
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,7 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 QUANTIZE_METHODS = ("none", "int8", "int4")
 QUANTIZE_CHOICES = ("auto", *QUANTIZE_METHODS)
 SPECULATIVE_METHODS = ("none", "ngram")
+COMPILE_DECODE_CHOICES = ("auto", "off")
 
 
 def _positive(name: str, value: int) -> None:

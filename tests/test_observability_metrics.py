@@ -93,7 +93,8 @@ def test_an_unbindable_metrics_port_is_a_start_up_error():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "engine_service", "--port", "0", "--metrics-port", str(port)],
+        proc = subprocess.run([sys.executable, "-m", "engine_service", "--port", "0", "--compile-decode", "off",
+                               "--metrics-port", str(port)],
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     failed = [json.loads(line) for line in proc.stderr.splitlines() if '"engine_start_failed"' in line]

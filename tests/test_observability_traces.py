@@ -193,7 +193,8 @@ def test_tracing_is_off_unless_a_variable_asks_for_it(env, expected):
 def test_a_misconfigured_exporter_is_a_start_up_error(env, named):
     with pytest.raises(ValueError, match=named):
         settings_from_env(env)
-    proc = subprocess.run([sys.executable, "-m", "engine_service", "--port", "0"], cwd=ROOT, env=env_with(env),
+    proc = subprocess.run([sys.executable, "-m", "engine_service", "--port", "0", "--compile-decode", "off"],
+                          cwd=ROOT, env=env_with(env),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and named in proc.stderr
 

@@ -3,15 +3,19 @@ that turns it and the file into a precision (engine_service/machine/cpu.py, engi
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from engine_service.config import EngineConfig
 from engine_service.machine.cpu import CpuInfo, detect, parse_cpuinfo
 from engine_service.machine.precision import (
+    choose_compiled_decode,
     choose_dtype,
     choose_dynamic_head,
     choose_onednn_weights,
     choose_quantize,
+    find_cpp_compiler,
     onednn_bfloat16,
 )
 from engine_service.model.gguf_checkpoint import weight_format
@@ -136,6 +140,39 @@ def test_auto_quantize_is_none_on_cuda_and_explicit_wins() -> None:
     assert choose_quantize("auto", "cuda", "Q4_1")[0] == "none"
     assert choose_quantize("none", "cpu", "Q4_1") == ("none", "quantize none: asked for")
     assert choose_quantize("int8", "cpu", "F32")[0] == "int8"
+
+
+@pytest.mark.parametrize(("requested", "device", "quantize", "traced", "compiler", "on", "reason"), [
+    ("auto", "cpu", "int4", True, "/usr/bin/g++", True,
+     "compile-decode on: auto, one-row steps through AOTInductor's library (/usr/bin/g++)"),
+    ("auto", "cpu", "int8", True, "/usr/bin/c++", True,
+     "compile-decode on: auto, one-row steps through AOTInductor's library (/usr/bin/c++)"),
+    ("off", "cpu", "int4", True, "/usr/bin/g++", False, "compile-decode off: asked for"),
+    ("auto", "cuda", "none", True, "/usr/bin/g++", False,
+     "compile-decode off: auto on cuda (the compiled step is measured on CPUs only)"),
+    ("auto", "cpu", "none", True, "/usr/bin/g++", False,
+     "compile-decode off: auto with quantize none (the library would copy every weight)"),
+    ("auto", "cpu", "int4", False, "/usr/bin/g++", False,
+     "compile-decode off: auto with --no-trace-decode (the eager step was asked for)"),
+    ("auto", "cpu", "int4", True, None, False,
+     "compile-decode off: auto, no C++ compiler for AOTInductor (g++, or $CXX)"),
+])
+def test_the_compiled_decode_step_runs_on_a_cpu_for_quantized_models_with_a_compiler(
+        requested: str, device: str, quantize: str, traced: bool, compiler: str | None, on: bool, reason: str) -> None:
+    assert choose_compiled_decode(requested, device, quantize, traced, compiler) == (on, reason)
+
+
+def test_the_cpp_compiler_is_cxx_where_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert find_cpp_compiler() is None
+    monkeypatch.setenv("CXX", sys.executable)
+    assert find_cpp_compiler() == sys.executable
+
+
+def test_an_unknown_compile_decode_is_refused_by_name() -> None:
+    assert EngineConfig().compile_decode == "auto"
+    with pytest.raises(ValueError, match="compile_decode must be one of auto, off, got 'on'"):
+        EngineConfig(compile_decode="on")
 
 
 def test_the_packaged_files_layers_are_q4_1() -> None:

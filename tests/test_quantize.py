@@ -209,3 +209,6 @@ def test_an_engine_serves_the_quantized_models_greedy_tokens() -> None:
                 assert [i for m in stub.Decode(request, timeout=60) for i in m.token_ids] == tokens, method
             ready = engine.events_named("engine_ready")
             assert ready and ready[0]["quantize"] == method and ready[0]["trace_decode"] == (method != "none")
+            # EngineProcess's --compile-decode off, said as such
+            assert (ready[0]["compiled_decode"], ready[0]["compiled_decode_reason"]) == (
+                "off", "compile-decode off: asked for")

@@ -30,7 +30,9 @@ class EngineProcess:
     """`python -m engine_service --port 0 ARGS...`, its JSON log lines collected as they come."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.args = ["--port", "0", "--threads", "1", *args]
+        # one thread, and the traced step alone (AOTInductor's compile is a minute at the first start
+        # of each model and context): later flags win, so a caller passes --compile-decode auto to measure
+        self.args = ["--port", "0", "--threads", "1", "--compile-decode", "off", *args]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.events: list[dict] = []
         self.raw_lines: list[str] = []

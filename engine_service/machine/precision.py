@@ -22,11 +22,17 @@ The table, from measurements of SmolLM2-135M with 2 threads (README, "Precision"
   never (their `F.linear` is another library's kernel, and float32 stays bit-identical to
   transformers).
 
-Every explicit `--dtype` / `--quantize` wins over the table.
+- the decode step of one row compiled by AOTInductor (model/compiled_decode.py) on a CPU, for a
+  quantized model (with quantize none the library would hold a copy of every weight), where a C++
+  compiler is found; the others keep the traced step.
+
+Every explicit `--dtype` / `--quantize` / `--compile-decode` wins over the table.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -89,3 +95,26 @@ def choose_onednn_weights(dtype: str, device: str) -> bool:
 def onednn_bfloat16() -> bool:
     """oneDNN is built in and runs bfloat16 on this CPU (AVX-512 BW and up)."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def choose_compiled_decode(requested: str, device: str, quantize: str, trace_decode: bool,
+                           compiler: str | None) -> tuple[bool, str]:
+    """(whether one-row decode steps run AOTInductor's library, reason) for `--compile-decode
+    requested` (auto or off) of a model served with `quantize` on `device`; `compiler` is the C++
+    compiler found (`find_cpp_compiler`), None for none."""
+    if requested == "off":
+        return False, "compile-decode off: asked for"
+    if not device.startswith("cpu"):
+        return False, f"compile-decode off: auto on {device} (the compiled step is measured on CPUs only)"
+    if quantize == "none":
+        return False, "compile-decode off: auto with quantize none (the library would copy every weight)"
+    if not trace_decode:
+        return False, "compile-decode off: auto with --no-trace-decode (the eager step was asked for)"
+    if compiler is None:
+        return False, "compile-decode off: auto, no C++ compiler for AOTInductor (g++, or $CXX)"
+    return True, f"compile-decode on: auto, one-row steps through AOTInductor's library ({compiler})"
+
+
+def find_cpp_compiler() -> str | None:
+    """The C++ compiler AOTInductor would run ($CXX, else g++), as a path; None when there is none."""
+    return shutil.which(os.environ.get("CXX", "g++"))

@@ -19,10 +19,12 @@ from engine_service.generation.speculative import SpeculativeConfig
 from engine_service.machine.cpu import CpuInfo, detect
 from engine_service.machine.precision import (
     Precision,
+    choose_compiled_decode,
     choose_dtype,
     choose_dynamic_head,
     choose_onednn_weights,
     choose_quantize,
+    find_cpp_compiler,
 )
 from engine_service.model.loader import LoadedModel, load_model
 from engine_service.requests import Limits
@@ -62,9 +64,11 @@ async def build_engine(config: EngineConfig) -> Engine:
         dynamic_head, head_reason = choose_dynamic_head(quantize, cfg.device, cpu)
         reasons = [dtype_reason, quantize_reason, *([head_reason] if head_reason else [])]
         precision = Precision(dtype_name, quantize, "; ".join(reasons))
+        compiled, compiled_reason = choose_compiled_decode(cfg.compile_decode, cfg.device, quantize, cfg.trace_decode,
+                                                           find_cpp_compiler())
         runner = await event_loop.run_in_executor(
             loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize,
-            cfg.trace_decode, dynamic_head, choose_onednn_weights(dtype_name, cfg.device))
+            cfg.trace_decode, dynamic_head, choose_onednn_weights(dtype_name, cfg.device), compiled)
     finally:
         loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
     limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)
@@ -83,6 +87,7 @@ async def build_engine(config: EngineConfig) -> Engine:
     log.info("engine_ready", model=loaded.name, device=str(device), dtype=precision.dtype,
              quantize=precision.quantize, precision_reason=precision.reason, cpu=cpu.describe(),
              weight_format=loaded.weight_format, trace_decode=cfg.trace_decode, onednn_weights=runner.onednn_weights,
+             compiled_decode=runner.compiled_decode, compiled_decode_reason=compiled_reason,
              speculative=cfg.speculative,
              kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
              max_prefill_tokens=cfg.max_prefill_tokens or "auto", prefix_cache_tokens=cfg.prefix_cache_tokens,

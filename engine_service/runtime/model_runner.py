@@ -1,7 +1,7 @@
 """Runs the model for one step of the decode loop: one token for each decoding row, and this
 step's prompt chunks, in one pass over the weights, as the step's plan lays them out
-(scheduling/step_plan.py). A step with no chunk, the
-steady state, runs the traced decode (traced_decode.py)."""
+(scheduling/step_plan.py). A step with no chunk, the steady state, runs the traced decode
+(traced_decode.py), or at one row the compiled one where it is on (compiled_decode.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from functools import partial
 import structlog
 import torch
 
+from engine_service.model.compiled_decode import CompiledDecode, cache_dir
 from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.quantize import quantize_model
@@ -35,7 +36,7 @@ class StepLogits:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, max_batch: int, max_context: int, device: torch.device,
                  dtype: torch.dtype, quantize: str = "none", trace_decode: bool = False,
-                 dynamic_head: bool = False, onednn_weights: bool = False) -> None:
+                 dynamic_head: bool = False, onednn_weights: bool = False, compile_decode: bool = False) -> None:
         self.model = model
         self.device = device
         self.cache = KVCache(model.config, max_batch, max_context, dtype, device)
@@ -55,6 +56,16 @@ class ModelRunner:
                 self._decode = TracedDecode(model, self.cache, max_batch)
             except RuntimeError as err:  # the tracer's failures; eager decoding gives the same tokens, slower
                 log.warning("decode_trace_failed", error_type=type(err).__name__, error=str(err))
+        # what engine_ready says of the compiled step: on, off, or why it failed
+        self.compiled_decode = "on" if compile_decode else "off"
+        if compile_decode:
+            try:
+                self._decode = CompiledDecode(model, self.cache, self._decode, cache_dir(), {"quantize": quantize})
+            except (RuntimeError, OSError) as err:
+                # export's and the C++ compiler's failures (torch raises them as RuntimeError), or
+                # the cache directory's: the traced step serves, slower, and engine_ready says so
+                log.warning("decode_compile_failed", error_type=type(err).__name__, error=str(err)[:2000])
+                self.compiled_decode = f"failed, the traced step serves: {type(err).__name__}"
 
     def forward(self, plan: StepPlan) -> StepLogits:
         """The logits of `plan`'s step, laid out as its entries' `logits` slices say (step_plan.py):
