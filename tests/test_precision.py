@@ -3,6 +3,7 @@ that turns it and the file into a precision (engine_service/machine/cpu.py, engi
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 import pytest
@@ -167,6 +168,8 @@ def test_the_cpp_compiler_is_cxx_where_set(monkeypatch: pytest.MonkeyPatch) -> N
     assert find_cpp_compiler() is None
     monkeypatch.setenv("CXX", sys.executable)
     assert find_cpp_compiler() == sys.executable
+    monkeypatch.delenv("CXX")
+    assert find_cpp_compiler() == shutil.which("g++")
 
 
 def test_an_unknown_compile_decode_is_refused_by_name() -> None:
