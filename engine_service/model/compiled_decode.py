@@ -11,14 +11,15 @@ positions of a 512-position cache (SmolLM2 Q4_1 served in bfloat16 with int4 cop
 6 model 167 with AMX, 2 cores; benchmarks/aoti_step.py): 14.8 ms against the trace's 20.2 (0.73x).
 
 What the library holds: its own copy of the layers' constants (the quantized copies, norms,
-embedding and rotary tables: about 70 MB for SmolLM2), so it is keyed on a digest of the model's
+embedding and rotary tables: SmolLM2's library is 127 MB on disk), so it is keyed on a digest of the model's
 tensors (`library_key`). What it is given: row 0 of the runner's KV cache, one (1, KV, positions, D)
 view a layer for keys and one for values, which it writes in place with `index_copy_` along the
 positions (a write into a view of the whole cache is functionalized into a copy of all of it: a
 step took 1.2 s; a Python custom op declaring the mutation, the first way out, is a call from the
 library back into Python at each of the step's 60 writes). Row 0 alone, so one library serves
 every --max-batch. Compiling takes a minute or two on 2 cores, so the library is kept in a cache
-directory (`cache_dir`) and later starts load it in seconds. Its logits are not bit-identical to the
+directory (`cache_dir`) and later starts load it in seconds; nothing there is removed (a library
+left by other code or another model stays until deleted). Its logits are not bit-identical to the
 trace's (fused kernels round in another order); `--compile-decode off` is the trace alone.
 """
 
@@ -90,9 +91,9 @@ def library_key(model: LlamaForCausalLM, cache: KVCache, setting: dict[str, obje
     here = Path(__file__).parent
     for name in SOURCES:
         digest.update((here / name).read_bytes())
+    shape = [n for i, n in enumerate(cache.k.shape) if i != 1]  # (layers, KV, positions, D): not the rows
     facts = {"torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
-             "threads": torch.get_num_threads(), "cache": [n for i, n in enumerate(cache.k.shape) if i != 1], "cache_dtype": str(cache.k.dtype),
-             **setting}
+             "threads": torch.get_num_threads(), "cache": shape, "cache_dtype": str(cache.k.dtype), **setting}
     digest.update(json.dumps(facts, sort_keys=True, default=str).encode())
     for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
@@ -101,8 +102,9 @@ def library_key(model: LlamaForCausalLM, cache: KVCache, setting: dict[str, obje
 
 
 class CompiledDecode:
-    """`model.decode` of one row through the AOTInductor library, of other row counts through
-    `fallback` (the traced step), as is the one row that attends the whole context. Compiles the library into `directory` unless it is there."""
+    """`model.decode` of one row through the AOTInductor library; other row counts, and a row that
+    attends the whole context, through `fallback` (the traced step). Compiles the library into
+    `directory` unless it is there."""
 
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, fallback: Decode, directory: Path,
                  setting: dict[str, object]) -> None:
