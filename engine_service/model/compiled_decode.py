@@ -154,8 +154,10 @@ class CompiledDecode:
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """As `LlamaForCausalLM.decode` on the cache given at construction."""
+        if tokens.shape[0] != 1:  # before the mask: the trace makes its own (a host sync each)
+            return self._fallback(tokens, positions)
         mask = decode_mask(positions)
-        if tokens.shape[0] != 1 or mask.shape[-1] == self._cache.max_context:
+        if mask.shape[-1] == self._cache.max_context:
             return self._fallback(tokens, positions)
         hidden = self._step(tokens, positions, mask, self._k, self._v)
         return self._model.head(hidden).float()
