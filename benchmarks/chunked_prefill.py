@@ -109,7 +109,8 @@ def main() -> None:
     for n, budget in enumerate(budgets):
         with EngineProcess("--model", args.model, "--dtype", args.dtype, "--quantize", args.quantize,
                            "--max-prefill-tokens", budget,
-                           "--max-context", "2048", "--threads", "0") as proc:
+                           "--max-context", "2048", "--threads", "0", "--compile-decode", "auto",
+                           start_timeout=300) as proc:  # the product's defaults; a first compile is minutes
             alone, tpot, gap, loaded = asyncio.run(measure(proc.address, seed=1000 * (n + 1)))
         first_alone = first_alone or alone
         print(f"budget {budget:>5}: TTFT alone {alone * 1e3:7.0f} ms, with streams {loaded * 1e3:7.0f} ms; "

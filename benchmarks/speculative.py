@@ -92,11 +92,13 @@ def main() -> None:
     parser.add_argument("--tokens", default="6", help="--speculative-tokens")
     parser.add_argument("--new-tokens", type=int, default=256)
     args = parser.parse_args()
-    base = ["--model", args.model, "--max-context", "2048", *shlex.split(args.engine_args)]
+    # the product's defaults (threads, the compiled one-row step) unless --engine-args says otherwise
+    base = ["--model", args.model, "--max-context", "2048", "--threads", "0", "--compile-decode", "auto",
+            *shlex.split(args.engine_args)]
     print(f"# CPU: {detect().describe()}")
     results = {}
     for name, extra in (("plain", []), ("ngram", ["--speculative", "ngram", "--speculative-tokens", args.tokens])):
-        with EngineProcess(*base, *extra) as proc:
+        with EngineProcess(*base, *extra, start_timeout=300) as proc:
             results[name] = asyncio.run(measure(proc.address, args.new_tokens))
         r = results[name]
         print(f"{name:>5}: one stream repeating {r['one']:6.1f} tok/s (drafted {r['drafted']:.0f}, accepted "

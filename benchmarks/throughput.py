@@ -147,7 +147,8 @@ def hf_generate(hf, batch: int, requests: int) -> Result:  # type: ignore[no-unt
 def engine_figures(model: str, dtype: str, quantize: str, concurrencies: dict[int, int]) -> dict[int, Result]:
     eng: dict[int, Result] = {}
     with EngineProcess("--model", model, "--dtype", dtype, "--quantize", quantize, "--max-batch", "32",
-                       "--max-context", str(PROMPT + NEW), "--threads", "0", "--queue-capacity", "256") as proc:
+                       "--max-context", str(PROMPT + NEW), "--threads", "0", "--queue-capacity", "256",
+                       "--compile-decode", "auto", start_timeout=300) as proc:
         asyncio.run(engine_run(proc.address, 4, 4))  # warm-up
         for c, requests in concurrencies.items():
             eng[c] = r = asyncio.run(engine_run(proc.address, c, requests))

@@ -29,10 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 class EngineProcess:
     """`python -m engine_service --port 0 ARGS...`, its JSON log lines collected as they come."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, start_timeout: float = 60.0) -> None:
         # one thread, and the traced step alone (AOTInductor's compile is a minute at the first start
         # of each model and context): later flags win, so a caller passes --compile-decode auto to measure
         self.args = ["--port", "0", "--threads", "1", "--compile-decode", "off", *args]
+        self.start_timeout = start_timeout  # `with`'s wait for the port and SERVING (a first compile: 300)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.events: list[dict] = []
         self.raw_lines: list[str] = []
@@ -127,7 +128,7 @@ class EngineProcess:
             self.proc.wait(10)
 
     def __enter__(self) -> EngineProcess:
-        return self.start()
+        return self.start(timeout=self.start_timeout)
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
