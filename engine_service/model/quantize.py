@@ -30,7 +30,11 @@ CPU's matrix units win) with the original weights.
   The layers keep int4 weight-only: with dynamic int8 there too, 0.918 and 3.12.
 
 Measured over the 30 layers' matmuls of SmolLM2 in bfloat16 (ms for 1/4/8/16 rows): bfloat16
-32.0/30.9/26.1/31.1, int8 14.0/17.3/33.6/56.2, int4 7.7/9.8/22.7/42.7; hence the row limits.
+32.0/30.9/26.1/31.1, int8 14.0/17.3/33.6/56.2, int4 7.7/9.8/22.7/42.7; hence the row limits. A
+float32 model's weight-only int8 head serves up to 32 rows (`head_max_rows`): its float32 table is
+113 MB a call. SmolLM2's head, 2 threads, AMD EPYC of family 25 model 1 (AVX2, no VNNI: `auto`
+chooses float32 there), caches flushed before each call, ms for 1/2/4/8/16/32 rows: float32
+14.1/30.7/35.3/34.9/38.9/49.8, weight-only int8 4.8/5.0/7.0/11.2/21.8/41.7.
 Accuracy against the unquantized model: tests/test_quantize.py and README.
 """
 
@@ -45,6 +49,8 @@ import torch
 
 MAX_ROWS = {"int8": 4, "int4": 8}  # rows up to which the quantized kernel is faster (above)
 DYNAMIC_HEAD_MAX_ROWS = 32
+# rows up to which a float32 model's weight-only int8 head beats its float32 weights (below)
+FLOAT32_HEAD_MAX_ROWS = 32
 INT4_GROUP = 32
 
 
@@ -119,6 +125,11 @@ class Projection(Protocol):
     quantized: QuantizedWeight | None
 
 
+def head_max_rows(dtype: torch.dtype) -> int:
+    """The rows up to which the weight-only int8 copy serves the LM head of a model in `dtype`."""
+    return FLOAT32_HEAD_MAX_ROWS if dtype == torch.float32 else MAX_ROWS["int8"]
+
+
 def quantize_int8(weight: torch.Tensor, max_rows: int = MAX_ROWS["int8"],
                   scales_dtype: torch.dtype | None = None) -> Int8Weight:
     """Per-output-channel symmetric int8 of a (N, K) weight; an all-zero row gets scale 1. The
@@ -180,5 +191,6 @@ def quantize_model(projections: Sequence[Projection], method: str, max_rows: int
             head.quantized = quantize_dynamic_int8(head.weight, DYNAMIC_HEAD_MAX_ROWS if max_rows is None  # type: ignore[arg-type]
                                                    else max_rows)
         else:
-            head.quantized = quantize_int8(head.weight, MAX_ROWS["int8"] if max_rows is None else max_rows,  # type: ignore[arg-type]
+            head.quantized = quantize_int8(head.weight,  # type: ignore[arg-type]
+                                           head_max_rows(head.weight.dtype) if max_rows is None else max_rows,  # type: ignore[union-attr]
                                            kernel_dtype(head.weight.dtype))  # type: ignore[union-attr]
