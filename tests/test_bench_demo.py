@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from engine_service.machine.cpu import detect
+from engine_service.machine.precision import choose_dtype
 from tests.bench_helpers import events, point_counts, read_results, run_cli, write_config
 from tests.llama_server import smollm2_gguf
 
@@ -32,7 +34,8 @@ def test_demo_sweep_end_to_end(tmp_path: Path) -> None:
     done = run_cli("sweep", str(write_config(tmp_path / "demo.toml", raw)), "--out", str(out), timeout=280)
     assert done.returncode == 0, done.stderr[-3000:]
     # the answer, streamed before the first point, from the real model
-    assert "Question to smollm2 (bfloat16): What is the capital of France?\nAnswer: " in done.stdout
+    dtype = choose_dtype("auto", "cpu", detect())[0]  # the demo's engine chooses as on any machine: float32 on AVX2
+    assert f"Question to smollm2 ({dtype}): What is the capital of France?\nAnswer: " in done.stdout
     answer = done.stdout.split("Answer: ", 1)[1].split("\n", 1)[0]
     assert "Paris" in answer, done.stdout[:2000]
     assert done.stdout.index("Paris") < done.stdout.index("sweep results")
