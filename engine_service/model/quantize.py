@@ -33,8 +33,10 @@ Measured over the 30 layers' matmuls of SmolLM2 in bfloat16 (ms for 1/4/8/16 row
 32.0/30.9/26.1/31.1, int8 14.0/17.3/33.6/56.2, int4 7.7/9.8/22.7/42.7; hence the row limits. A
 float32 model's weight-only int8 head serves up to 32 rows (`head_max_rows`): its float32 table is
 113 MB a call. SmolLM2's head, 2 threads, AMD EPYC of family 25 model 1 (AVX2, no VNNI: `auto`
-chooses float32 there), caches flushed before each call, ms for 1/2/4/8/16/32 rows: float32
-14.1/30.7/35.3/34.9/38.9/49.8, weight-only int8 4.8/5.0/7.0/11.2/21.8/41.7.
+chooses float32 there), `python benchmarks/lm_head.py` (caches flushed before each call), ms for
+1/4/8/16/24/32 rows: float32 11.1/25.5/22.1/23.3/25.7/29.8, weight-only int8 4.1/6.0/9.8/16.8/24.7/
+32.8. 32 rows is the edge (1.10x alone); in whole steps, in one process (`benchmarks/step_ab.py`),
+the traced step with the copy took 0.757x at 8 rows and 0.965x at 32.
 Accuracy against the unquantized model: tests/test_quantize.py and README.
 """
 
@@ -49,7 +51,7 @@ import torch
 
 MAX_ROWS = {"int8": 4, "int4": 8}  # rows up to which the quantized kernel is faster (above)
 DYNAMIC_HEAD_MAX_ROWS = 32
-# rows up to which a float32 model's weight-only int8 head beats its float32 weights (below)
+# rows up to which a float32 model's weight-only int8 head beats its float32 weights (the docstring's figures)
 FLOAT32_HEAD_MAX_ROWS = 32
 INT4_GROUP = 32
 
