@@ -171,7 +171,7 @@ def _projection_read(packed: Packed) -> tuple[list[torch.Tensor], int, str]:
         tensors = [q.weight, q.scales, *bias]
         return tensors, _nbytes(tensors), f"int8 + {_dtype(q.scales)} scales"
     if isinstance(q, DynamicInt8Weight) and q.max_rows >= 1:
-        return bias, q.nbytes + _nbytes(bias), "int8 + float32 scales, 8-bit activations (fbgemm)"
+        return bias, q.nbytes + _nbytes(bias), f"int8 ({q.bits}-bit values) + float32 scales, 8-bit activations (fbgemm)"
     if packed.weight is None:
         raise RooflineError("a projection has no packed weight: count after ModelRunner (pack_projections) built it")
     return [packed.weight, *bias], _nbytes([packed.weight, *bias]), _dtype(packed.weight)
@@ -230,9 +230,9 @@ def count_bytes(model_spec: str, info: ServerInfo, context: int) -> StepBytes:
     if loaded.name != info.model:
         raise RooflineError(f"{step}: the engine serves {info.model!r}, the model here is {loaded.name!r} "
                             f"(a --model inside --engine-args? use --model)")
-    dynamic_head, _ = choose_dynamic_head(info.quantization, "cpu", detect())  # as the engine chose on this machine
+    dynamic_head_bits, _ = choose_dynamic_head(info.quantization, "cpu", detect())  # as the engine chose on this machine
     runner = ModelRunner(loaded.model, 1, max(context, 1), device, dtype, info.quantization, trace_decode=False,
-                         dynamic_head=dynamic_head)
+                         dynamic_head_bits=dynamic_head_bits)
     return decode_step_bytes(loaded.model, runner.cache.bytes_per_token(), context)
 
 

@@ -95,9 +95,9 @@ def build(root: Path, name: str, model: str, dtype: str, quantize: str) -> Side:
         device = torch.device("cpu")
         loaded = load_model(model, device, DTYPES[dtype_name])
         quantization, _ = choose_quantize(quantize, "cpu", loaded.weight_format)
-        dynamic_head, _ = choose_dynamic_head(quantization, "cpu", cpu)
+        dynamic_head_bits, _ = choose_dynamic_head(quantization, "cpu", cpu)
         runner = ModelRunner(loaded.model, MAX_BATCH, MAX_CONTEXT, device, DTYPES[dtype_name], quantization, True,
-                             dynamic_head, choose_onednn_weights(dtype_name, "cpu"))
+                             dynamic_head_bits, choose_onednn_weights(dtype_name, "cpu"))
     except ImportError as e:
         raise StepAbError(f"{name} ({root}): the engine's build cannot be imported as this script expects: {e}") from e
     finally:

@@ -109,25 +109,29 @@ flags\t\t: fpu avx2 fma avx512f avx512_vnni avx512_bf16
 """
 
 
-@pytest.mark.parametrize(("text", "quantize", "device", "dynamic"), [
-    (ZEN4, "int4", "cpu", True),
-    (XEON, "int8", "cpu", True),
-    (XEON.replace(" avx512_vnni", ""), "int4", "cpu", True),  # AMX's int8 tiles
-    (XEON.replace(" avx512_vnni", "").replace(" amx_int8", ""), "int4", "cpu", False),
-    (EPYC, "int4", "cpu", False),  # AVX2 alone: fbgemm's 16-bit pair sums could saturate
-    (ZEN4, "none", "cpu", False),  # nothing quantized, the head stays in the model's dtype
-    (ZEN4, "int4", "cuda:0", False),
+@pytest.mark.parametrize(("text", "capability", "quantize", "device", "bits"), [
+    (ZEN4, "AVX512", "int4", "cpu", 8),
+    (XEON, "AVX512", "int8", "cpu", 8),
+    (XEON.replace(" avx512_vnni", ""), "AVX512", "int4", "cpu", 8),  # AMX's int8 tiles
+    (XEON.replace(" avx512_vnni", "").replace(" amx_int8", ""), "AVX512", "int4", "cpu", 7),
+    (EPYC, "AVX2", "int4", "cpu", 7),  # AVX2 alone: 8-bit weights' 16-bit pair sums could saturate
+    (EPYC, "DEFAULT", "int4", "cpu", 0),  # below AVX2 fbgemm does not run
+    (ZEN4, "AVX512", "none", "cpu", 0),  # nothing quantized, the head stays in the model's dtype
+    (ZEN4, "AVX512", "int4", "cuda:0", 0),
 ])
-def test_the_lm_head_multiplies_8_bit_activations_where_the_cpu_has_int8_dot_products(
-        text: str, quantize: str, device: str, dynamic: bool) -> None:
-    chosen, reason = choose_dynamic_head(quantize, device, cpu(text, "AVX512"))
-    assert chosen is dynamic
+def test_the_lm_head_multiplies_8_bit_activations_with_weights_whose_pair_sums_cannot_saturate(
+        text: str, capability: str, quantize: str, device: str, bits: int) -> None:
+    chosen, reason = choose_dynamic_head(quantize, device, cpu(text, capability))
+    assert chosen == bits and not isinstance(chosen, bool)
     if quantize == "none" or device != "cpu":
         assert reason == ""
-    elif dynamic:
+    elif bits == 8:
         assert reason == "LM head int8 x 8-bit activations (fbgemm): the CPU has 8-bit dot products (VNNI/AMX)"
+    elif bits == 7:
+        assert reason == ("LM head 7-bit weights x 8-bit activations (fbgemm): the CPU has no VNNI/AMX 8-bit dot "
+                          "products, and 7-bit weights keep fbgemm's 16-bit pair sums from saturating")
     else:
-        assert reason == "LM head int8 weight-only: the CPU has no VNNI/AMX 8-bit dot products"
+        assert reason == "LM head int8 weight-only: the CPU's vector capability is DEFAULT, below fbgemm's AVX2"
 
 
 def test_only_bfloat16_weights_on_a_cpu_whose_onednn_runs_bfloat16_are_prepacked() -> None:

@@ -16,7 +16,7 @@ from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 from engine_service.config import EngineConfig
 from engine_service.machine.cpu import detect
-from engine_service.machine.precision import choose_dynamic_head
+from engine_service.machine.precision import choose_dtype, choose_dynamic_head
 from engine_service.model.kv_cache import KVCache
 from engine_service.model.loader import load_model
 from engine_service.model.quantize import (
@@ -27,6 +27,7 @@ from engine_service.model.quantize import (
     quantize_int8,
     quantize_model,
 )
+from engine_service.runtime.build import DTYPES
 from tests.checkpoints import engine_greedy
 from tests.engines import EngineProcess
 
@@ -44,21 +45,35 @@ TEXT = (
 # The bounds leave room for another CPU's kernels.
 # int4 layers + the head multiplied with 8-bit activations (quantize.DynamicInt8Weight; here over the
 # whole text's 97 rows at once, one activation scale for all): 0.959 and 1.16 decoded one token at a time.
-AGREEMENT = {"int8": (0.9, 3.0), "int4": (0.93, 2.0), "int4-dynamic-head": (0.93, 2.0)}
+# That head is scored in the dtype `auto` serves on this CPU (bfloat16 with VNNI/AMX and 8-bit weights;
+# float32 on plain AVX2, with 7-bit weights, where bfloat16 is not served: there, in bfloat16 and at 97
+# rows a call, 8-bit weights by exact arithmetic gave 0.918 and 7-bit ones 0.907; AMD EPYC family 25).
+# In float32 with 7-bit weights, all 97 rows in one call (one activation scale): 0.918 and 2.51; the
+# engine's calls have at most 32 rows (quantize.DYNAMIC_HEAD_MAX_ROWS), and over 194 positions of text,
+# each row its own call: 0.979 and 1.65 (weight-only int8 head 0.979, 0.96); 8 rows a call 0.969, 2.07.
+AGREEMENT = {"int8": (0.9, 3.0), "int4": (0.93, 2.0), "int4-dynamic-head": (0.93, 2.0),
+             "int4-dynamic-head-7-bit": (0.9, 3.0)}
 
 
 @pytest.fixture(scope="module")
 def smollm2():  # type: ignore[no-untyped-def]
-    """The model, TEXT's ids and the unquantized model's logits over them (the methods' one reference)."""
-    loaded = load_model("smollm2", CPU, torch.bfloat16)
-    ids = loaded.tokenizer.encode(TEXT)
-    loaded.model.pack_projections()
-    loaded.model.setup_rope(len(ids), CPU)
-    return loaded, ids, _text_logits(loaded.model, ids)
+    """For a dtype: the model, TEXT's ids and the unquantized model's logits over them (the methods'
+    one reference), each dtype's loaded once."""
+    loaded_by_dtype: dict[torch.dtype, tuple] = {}  # type: ignore[type-arg]
+
+    def in_dtype(dtype: torch.dtype):  # type: ignore[no-untyped-def]
+        if dtype not in loaded_by_dtype:
+            loaded = load_model("smollm2", CPU, dtype)
+            ids = loaded.tokenizer.encode(TEXT)
+            loaded.model.pack_projections()
+            loaded.model.setup_rope(len(ids), CPU)
+            loaded_by_dtype[dtype] = loaded, ids, _text_logits(loaded.model, ids)
+        return loaded_by_dtype[dtype]
+    return in_dtype
 
 
 def _text_logits(model, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    cache = KVCache(model.config, 1, len(ids), torch.bfloat16, CPU)
+    cache = KVCache(model.config, 1, len(ids), model.lm_head.weight.dtype, CPU)
     return model.prefill(torch.tensor([ids]), torch.tensor([len(ids)]), cache, 0, all_logits=True)[0]
 
 
@@ -95,14 +110,17 @@ def test_small_calls_take_the_int8_path_and_large_ones_the_original_weights() ->
 
 @pytest.mark.parametrize("method", ["int8", "int4", "int4-dynamic-head"])
 def test_quantized_logits_agree_with_the_unquantized_model_on_english_text(smollm2, method: str) -> None:  # type: ignore[no-untyped-def]
-    loaded, ids, reference = smollm2
-    dynamic_head = method.endswith("-dynamic-head")
-    if dynamic_head and not detect().int8_dot:
-        pytest.skip("the engine multiplies the head with 8-bit activations only on a CPU with VNNI or AMX")
+    # the dynamic head's weight bits and the model's dtype as the engine chooses them on this CPU
+    cpu = detect()
+    dynamic_head_bits = choose_dynamic_head("int4", "cpu", cpu)[0] if method.endswith("-dynamic-head") else 0
+    if method.endswith("-dynamic-head") and not dynamic_head_bits:
+        pytest.skip("fbgemm's dynamic head needs AVX2 or above")
+    dtype = DTYPES[choose_dtype("auto", "cpu", cpu)[0]] if dynamic_head_bits else torch.bfloat16
+    loaded, ids, reference = smollm2(dtype)
     assert all(packed.quantized is None for packed in loaded.model.projections())  # the reference's model
     # every row quantized, to score the whole text at once
     quantize_model(loaded.model.projections(), method.removesuffix("-dynamic-head"), max_rows=len(ids),
-                   dynamic_head=dynamic_head)
+                   dynamic_head_bits=dynamic_head_bits)
     try:
         quantized = _text_logits(loaded.model, ids)
     finally:
@@ -110,25 +128,27 @@ def test_quantized_logits_agree_with_the_unquantized_model_on_english_text(smoll
             packed.quantized = None
     agreement = (quantized.argmax(-1) == reference.argmax(-1)).float().mean().item()
     error = (quantized - reference).abs().max().item()
-    least, most = AGREEMENT[method]
+    least, most = AGREEMENT[f"{method}-7-bit" if dynamic_head_bits == 7 else method]
     assert agreement >= least, f"{method}: top-1 agreement {agreement:.3f}"
     assert error <= most, f"{method}: largest logit error {error:.2f}"
 
 
-def test_the_dynamic_int8_head_multiplies_the_int8_weights_by_the_8_bit_activations() -> None:
-    """fbgemm's product, against the same arithmetic by hand: per-row int8 weights (quantize_int8's),
-    the call's activations as uint8 with one scale and offset from their range (0 included).
-    Only where the CPU has 8-bit dot products, as the engine uses it: on plain AVX2 fbgemm's 16-bit
-    pair sums saturate (SmolLM2's head over 194 positions of text, AMD EPYC of family 25 model 1:
-    8.9 logits from this arithmetic at worst)."""
-    if not detect().int8_dot:
-        pytest.skip("the engine multiplies the head with 8-bit activations only on a CPU with VNNI or AMX")
+@pytest.mark.parametrize("bits", [8, 7])
+def test_the_dynamic_int8_head_multiplies_the_int8_weights_by_the_8_bit_activations(bits: int) -> None:
+    """fbgemm's product, against the same arithmetic by hand: per-row int8 weights (quantize_int8's,
+    in `bits` bits), the call's activations as uint8 with one scale and offset from their range (0
+    included). 8-bit weights only where the CPU has 8-bit dot products, as the engine uses them: on
+    plain AVX2 fbgemm's 16-bit pair sums saturate (here 4.7 off; SmolLM2's head over 194 positions
+    of text, AMD EPYC of family 25 model 1: 8.9 logits at worst). 7-bit ones are exact on both."""
+    if bits == 8 and not detect().int8_dot:
+        pytest.skip("the engine multiplies 8-bit weights by 8-bit activations only on a CPU with VNNI or AMX")
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(40, 64, generator=generator) * torch.linspace(0.01, 1.0, 40)[:, None]
     x = torch.randn(3, 64, generator=generator) * 2
-    head = quantize_dynamic_int8(weight, max_rows=32)
-    int8 = quantize_int8(weight)
-    assert head.nbytes == 40 * 64 + 40 * 4 and head.max_rows == 32
+    head = quantize_dynamic_int8(weight, max_rows=32, bits=bits)
+    int8 = quantize_int8(weight, bits=bits)
+    assert head.nbytes == 40 * 64 + 40 * 4 and head.max_rows == 32 and head.bits == bits
+    assert int8.weight.abs().max() == 2 ** (bits - 1) - 1  # the largest weight of each row takes the top value
     low, high = min(x.min().item(), 0.0), max(x.max().item(), 0.0)
     scale = (high - low) / 255
     zero = round(-low / scale)
@@ -140,12 +160,23 @@ def test_the_dynamic_int8_head_multiplies_the_int8_weights_by_the_8_bit_activati
     assert (head.matmul(x) - exact).abs().max() < 0.02 * exact.abs().max()  # and near the float product
 
 
+def test_int8_weights_have_8_or_7_bits_and_the_dynamic_head_names_its_bits() -> None:
+    weight = torch.randn(8, 32)
+    with pytest.raises(ValueError, match="int8 weights have 8 or 7 bits, got 6"):
+        quantize_int8(weight, bits=6)
+    model = load_model("tiny", CPU, torch.float32).model
+    model.pack_projections()
+    for bad in (True, 1, 6, 9):
+        with pytest.raises(ValueError, match=f"dynamic_head_bits must be 0 \\(weight-only head\\), 8 or 7, got {bad!r}"):
+            quantize_model(model.projections(), "int4", dynamic_head_bits=bad)
+
+
 def test_a_dynamic_head_serves_up_to_32_rows_and_can_be_replaced_by_another_copy() -> None:
     loaded = load_model("tiny", CPU, torch.float32)
     model = loaded.model
     model.pack_projections()
     model.setup_rope(32, CPU)
-    quantize_model(model.projections(), "int4", dynamic_head=True)
+    quantize_model(model.projections(), "int4", dynamic_head_bits=7)
     head = model.head
     assert isinstance(head.quantized, DynamicInt8Weight)
     assert dict(head.named_children()) == {"quantized": head.quantized}  # a submodule: traces reach it
@@ -217,7 +248,7 @@ def test_an_engine_serves_the_quantized_models_greedy_tokens() -> None:
             model.pack_projections()
             model.setup_rope(64, CPU)
             if method != "none":  # the head as the engine chooses it on this CPU
-                quantize_model(model.projections(), method, dynamic_head=choose_dynamic_head(method, "cpu", detect())[0])
+                quantize_model(model.projections(), method, dynamic_head_bits=choose_dynamic_head(method, "cpu", detect())[0])
             expected[method] = engine_greedy(model, [prompt], 24, CPU)[0]
         assert expected["int8"] != expected["none"]
         for method, tokens in expected.items():

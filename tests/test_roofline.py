@@ -56,11 +56,11 @@ def test_int4_counts_the_packed_copy_and_its_scales_not_the_float_weights() -> N
 
 def test_a_dynamic_int8_head_counts_fbgemms_bytes_and_float32_row_scales() -> None:
     model = load_model("tiny", CPU, torch.float32).model
-    ModelRunner(model, 1, 16, CPU, torch.float32, "int4", dynamic_head=True)
+    ModelRunner(model, 1, 16, CPU, torch.float32, "int4", dynamic_head_bits=7)
     step = roofline.decode_step_bytes(model, 512, CONTEXT)
     head = next(p for p in step.parts if p.name.startswith("LM head"))
     assert head.nbytes == VOCAB * HIDDEN + VOCAB * 4
-    assert head.held_as == "int8 + float32 scales, 8-bit activations (fbgemm)"
+    assert head.held_as == "int8 (7-bit values) + float32 scales, 8-bit activations (fbgemm)"
 
 
 def test_a_tied_unquantized_head_reads_the_embedding_table_whole_and_its_row_is_not_counted_again() -> None:

@@ -32,7 +32,7 @@ def test_traced_steps_equal_eager_steps(dtype: torch.dtype, method: str, regimes
     model.setup_rope(CONTEXT, CPU)
     if method != "none":
         quantize_model(model.projections(), method.removesuffix("-dynamic-head"),
-                       dynamic_head=method.endswith("-dynamic-head"))
+                       dynamic_head_bits=7 if method.endswith("-dynamic-head") else 0)
     cache = KVCache(model.config, MAX_BATCH, CONTEXT, dtype, CPU)
     traced = TracedDecode(model, cache, MAX_BATCH)
     assert traced.regimes == regimes

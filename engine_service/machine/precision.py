@@ -16,7 +16,9 @@ The table, from measurements of SmolLM2-135M with 2 threads (README, "Precision"
 
 - the LM head of a quantized model: int8 multiplied with 8-bit activations by fbgemm where the CPU
   has 8-bit dot products accumulating in 32 bits (VNNI or AMX: cpu.py `int8_dot`), 2.7x faster
-  than int8 weight-only at one row on a Zen 4 (model/quantize.py); elsewhere int8 weight-only.
+  than int8 weight-only at one row on a Zen 4 (model/quantize.py); on plain AVX2 the same with
+  7-bit weights, whose pair sums cannot saturate (1.9x faster at one row, 3.6x at 8, on an AVX2
+  EPYC); elsewhere (no AVX2, where fbgemm does not run) int8 weight-only.
 - bfloat16 layer weights on a CPU where oneDNN runs bfloat16: a copy prepacked for oneDNN, the bits
   of `F.linear` without its per-call reorder (model/llama.py `Packed.pack_onednn`); float32 weights
   never (their `F.linear` is another library's kernel, and float32 stays bit-identical to
@@ -77,14 +79,17 @@ def choose_quantize(requested: str, device: str, weight_format: str) -> tuple[st
     return "none", f"quantize none: auto, the weights are {weight_format}"
 
 
-def choose_dynamic_head(quantize: str, device: str, cpu: CpuInfo) -> tuple[bool, str]:
-    """(whether the LM head's int8 copy multiplies 8-bit activations, reason) for a model served
-    with `quantize` on `device`."""
+def choose_dynamic_head(quantize: str, device: str, cpu: CpuInfo) -> tuple[int, str]:
+    """(the bits of the LM head's int8 weights when it multiplies 8-bit activations, 0 for the
+    weight-only head; reason) for a model served with `quantize` on `device`."""
     if quantize == "none" or not device.startswith("cpu"):
-        return False, ""
+        return 0, ""
     if cpu.int8_dot:
-        return True, "LM head int8 x 8-bit activations (fbgemm): the CPU has 8-bit dot products (VNNI/AMX)"
-    return False, "LM head int8 weight-only: the CPU has no VNNI/AMX 8-bit dot products"
+        return 8, "LM head int8 x 8-bit activations (fbgemm): the CPU has 8-bit dot products (VNNI/AMX)"
+    if cpu.capability == "AVX2" or cpu.capability.startswith("AVX512"):
+        return 7, ("LM head 7-bit weights x 8-bit activations (fbgemm): the CPU has no VNNI/AMX 8-bit dot "
+                   "products, and 7-bit weights keep fbgemm's 16-bit pair sums from saturating")
+    return 0, f"LM head int8 weight-only: the CPU's vector capability is {cpu.capability}, below fbgemm's AVX2"
 
 
 def choose_onednn_weights(dtype: str, device: str) -> bool:

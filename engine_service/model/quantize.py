@@ -18,16 +18,25 @@ CPU's matrix units win) with the original weights.
   every top-1 and within 0.0005); in bfloat16 scale and offset are rounded. The LM head gets int8
   (`quantize_model`). Only with bfloat16 activations are these kernels fast, so a float32 model's
   calls are cast to bfloat16 and back (`kernel_dtype`), and its copy's scales are bfloat16.
-- The LM head, where the CPU has 8-bit dot products that accumulate in 32 bits (`dynamic_head`,
-  chosen in engine_service/machine/precision.py): int8 weights per output channel, as above, and
-  the call's activations quantized to 8 bits on the fly (one scale and offset for the call's rows),
-  multiplied as integers by fbgemm (`torch.ops.quantized.linear_dynamic`), as llama.cpp multiplies
-  a Q8_0 head by Q8 activations. On SmolLM2's head (49,152 x 576, bfloat16 model, 2 threads, Zen 4,
-  ms for 1/4/8/16/32 rows): dynamic int8 0.87/0.82/1.51/1.93/4.93, int8 weight-only 2.36/3.34/6.24/
-  12.4/24.4, bfloat16 4.19/5.28/4.82/6.43/8.16; so it serves up to 32 rows. Its cost in accuracy
-  over tests/test_quantize.py's text, decoded one token at a time with int4 layers: top-1 agreement
-  with the unquantized model 0.959 (weight-only int8 head 0.979), largest logit error 1.16 (1.12).
-  The layers keep int4 weight-only: with dynamic int8 there too, 0.918 and 3.12.
+- The LM head, on a CPU where fbgemm runs (AVX2 and up: `dynamic_head_bits`, chosen in
+  engine_service/machine/precision.py): int8 weights per output channel, as above, and the call's
+  activations quantized to 8 bits on the fly (one scale and offset for the call's rows), multiplied
+  as integers by fbgemm (`torch.ops.quantized.linear_dynamic`), as llama.cpp multiplies a Q8_0 head
+  by Q8 activations. On SmolLM2's head (49,152 x 576, bfloat16 model, 2 threads, Zen 4, ms for
+  1/4/8/16/32 rows): dynamic int8 0.87/0.82/1.51/1.93/4.93, int8 weight-only 2.36/3.34/6.24/12.4/
+  24.4, bfloat16 4.19/5.28/4.82/6.43/8.16; so it serves up to 32 rows. Its cost in accuracy over
+  tests/test_quantize.py's text, decoded one token at a time with int4 layers: top-1 agreement with
+  the unquantized model 0.959 (weight-only int8 head 0.979), largest logit error 1.16 (1.12). The
+  layers keep int4 weight-only: with dynamic int8 there too, 0.918 and 3.12.
+  Without 8-bit dot products that accumulate in 32 bits (VNNI, AMX), fbgemm multiplies unsigned
+  8-bit activations by the weights in pairs summed in 16 bits, which saturate past 32,767: with
+  8-bit weights SmolLM2's logits came out up to 8.9 off the arithmetic. So there the weights get
+  7 bits (|q| <= 63, scale = max |w| / 63; 255 x 63 x 2 < 32,768) and the product is exact. On an
+  AMD EPYC of family 25 model 1 (AVX2, float32 model, int4 layers; 194 positions of text, each row
+  its own call): top-1 0.979 against the unquantized model, as the weight-only int8 head's, and a
+  largest logit error of 1.65 (0.96); 7-bit activations with 8-bit weights instead: 0.959 and
+  2.17, 6-bit weights 0.954 and 2.75. Its ms at 1/4/8/16/32 rows (`benchmarks/lm_head.py`, caches
+  flushed): 1.94/2.24/2.69/5.91/8.46 against the weight-only head's 3.72/5.73/9.72/22.48/35.73.
 
 Measured over the 30 layers' matmuls of SmolLM2 in bfloat16 (ms for 1/4/8/16 rows): bfloat16
 32.0/30.9/26.1/31.1, int8 14.0/17.3/33.6/56.2, int4 7.7/9.8/22.7/42.7; hence the row limits. A
@@ -51,6 +60,7 @@ import torch
 
 MAX_ROWS = {"int8": 4, "int4": 8}  # rows up to which the quantized kernel is faster (above)
 DYNAMIC_HEAD_MAX_ROWS = 32
+DYNAMIC_HEAD_BITS = (8, 7)  # the dynamic head's weight bits: 8 with VNNI/AMX, 7 on plain AVX2 (above)
 # rows up to which a float32 model's weight-only int8 head beats its float32 weights (the docstring's figures)
 FLOAT32_HEAD_MAX_ROWS = 32
 INT4_GROUP = 32
@@ -93,15 +103,17 @@ class Int4Weight:
 
 
 class DynamicInt8Weight(torch.nn.Module):
-    """A module, unlike the other copies: fbgemm's packed weight is a TorchScript object, which a
+    """Weights of `bits` bits (8, or 7 where fbgemm's pair sums would saturate: the docstring
+    above) multiplied by 8-bit activations quantized on the fly. A module, unlike the other copies: fbgemm's packed weight is a TorchScript object, which a
     trace (traced_decode.py) reaches only as an attribute of a module it was given, so `Packed`
     registers this one as its submodule when it is assigned."""
 
-    def __init__(self, packed: torch.ScriptObject, nbytes: int, max_rows: int) -> None:
+    def __init__(self, packed: torch.ScriptObject, nbytes: int, max_rows: int, bits: int) -> None:
         super().__init__()
         self.packed = packed  # fbgemm's packed (N, K) int8 weight with its per-row scales
         self.nbytes = nbytes  # the int8 weights and their scales, what a call reads
         self.max_rows = max_rows
+        self.bits = bits  # of the weights: |q| <= 2 ** (bits - 1) - 1
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) -> (..., N) in x's dtype; the kernel takes and gives float32."""
@@ -133,19 +145,24 @@ def head_max_rows(dtype: torch.dtype) -> int:
 
 
 def quantize_int8(weight: torch.Tensor, max_rows: int = MAX_ROWS["int8"],
-                  scales_dtype: torch.dtype | None = None) -> Int8Weight:
-    """Per-output-channel symmetric int8 of a (N, K) weight; an all-zero row gets scale 1. The
-    scales (and so the kernel's activations) are in `scales_dtype`, by default the weight's."""
+                  scales_dtype: torch.dtype | None = None, bits: int = 8) -> Int8Weight:
+    """Per-output-channel symmetric int8 of a (N, K) weight, its values within `bits` bits
+    (|q| <= 127 for 8, 63 for 7); an all-zero row gets scale 1. The scales (and so the kernel's
+    activations) are in `scales_dtype`, by default the weight's."""
+    if bits not in DYNAMIC_HEAD_BITS:
+        raise ValueError(f"int8 weights have 8 or 7 bits, got {bits!r}")
+    levels = 2 ** (bits - 1) - 1
     w = weight.detach().float()
     amax = w.abs().amax(dim=1)
-    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    scales = torch.where(amax > 0, amax / levels, torch.ones_like(amax))
+    q = torch.round(w / scales[:, None]).clamp_(-levels, levels).to(torch.int8)
     return Int8Weight(q.contiguous(), scales.to(scales_dtype or weight.dtype).contiguous(), max_rows)
 
 
-def quantize_dynamic_int8(weight: torch.Tensor, max_rows: int = DYNAMIC_HEAD_MAX_ROWS) -> DynamicInt8Weight:
-    """The per-output-channel int8 of `quantize_int8`, packed for fbgemm's dynamic kernel."""
-    q = quantize_int8(weight.detach().float(), max_rows)
+def quantize_dynamic_int8(weight: torch.Tensor, max_rows: int = DYNAMIC_HEAD_MAX_ROWS,
+                          bits: int = 8) -> DynamicInt8Weight:
+    """The per-output-channel int8 of `quantize_int8` in `bits` bits, packed for fbgemm's dynamic kernel."""
+    q = quantize_int8(weight.detach().float(), max_rows, bits=bits)
     scales = q.scales.double()
     with warnings.catch_warnings():
         # torch 2.13 warns that quantized tensors will go in a later release; this one only carries
@@ -153,7 +170,7 @@ def quantize_dynamic_int8(weight: torch.Tensor, max_rows: int = DYNAMIC_HEAD_MAX
         warnings.simplefilter("ignore", UserWarning)
         qweight = torch._make_per_channel_quantized_tensor(q.weight, scales, torch.zeros_like(scales, dtype=torch.long), 0)
     packed = torch.ops.quantized.linear_prepack(qweight, None)
-    return DynamicInt8Weight(packed, q.weight.numel() + scales.numel() * 4, max_rows)
+    return DynamicInt8Weight(packed, q.weight.numel() + scales.numel() * 4, max_rows, bits)
 
 
 def quantize_int4(weight: torch.Tensor, max_rows: int = MAX_ROWS["int4"],
@@ -175,23 +192,26 @@ def quantize_int4(weight: torch.Tensor, max_rows: int = MAX_ROWS["int4"],
 
 
 def quantize_model(projections: Sequence[Projection], method: str, max_rows: int | None = None,
-                   dynamic_head: bool = False) -> None:
+                   dynamic_head_bits: int = 0) -> None:
     """Give every projection of a model, the LM head last (`LlamaForCausalLM.projections()`, packed:
     call after `pack_projections`), its quantized copy. With int4 the LM head gets int8: embeddings
     are often kept at 8 bits (the packaged SmolLM2's are Q8_0, and 4 bits there moved top-1 on 13%
-    of positions of a text against 3% for int8); with `dynamic_head` it is multiplied with 8-bit
-    activations (`DynamicInt8Weight`, only where the CPU has 8-bit dot products: precision.py)."""
+    of positions of a text against 3% for int8); with `dynamic_head_bits` (8 or 7; 0 for none) it is
+    multiplied with 8-bit activations, its weights in that many bits (`DynamicInt8Weight`, where
+    fbgemm runs: precision.py)."""
     if method not in MAX_ROWS:
         raise ValueError(f"quantize method must be int8 or int4, got {method!r}")
+    if dynamic_head_bits not in (0, *DYNAMIC_HEAD_BITS) or isinstance(dynamic_head_bits, bool):
+        raise ValueError(f"dynamic_head_bits must be 0 (weight-only head), 8 or 7, got {dynamic_head_bits!r}")
     *layers, head = projections
     layer_quantizer = quantize_int4 if method == "int4" else quantize_int8
     with torch.no_grad():
         for packed in layers:
             packed.quantized = layer_quantizer(packed.weight, MAX_ROWS[method] if max_rows is None else max_rows,  # type: ignore[arg-type]
                                                kernel_dtype(packed.weight.dtype))  # type: ignore[union-attr]
-        if dynamic_head:
+        if dynamic_head_bits:
             head.quantized = quantize_dynamic_int8(head.weight, DYNAMIC_HEAD_MAX_ROWS if max_rows is None  # type: ignore[arg-type]
-                                                   else max_rows)
+                                                   else max_rows, dynamic_head_bits)
         else:
             head.quantized = quantize_int8(head.weight,  # type: ignore[arg-type]
                                            head_max_rows(head.weight.dtype) if max_rows is None else max_rows,  # type: ignore[union-attr]

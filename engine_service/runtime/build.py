@@ -61,14 +61,14 @@ async def build_engine(config: EngineConfig) -> Engine:
     try:
         loaded = await event_loop.run_in_executor(loader, load_model, cfg.model, device, dtype)
         quantize, quantize_reason = choose_quantize(cfg.quantize, cfg.device, loaded.weight_format)
-        dynamic_head, head_reason = choose_dynamic_head(quantize, cfg.device, cpu)
+        dynamic_head_bits, head_reason = choose_dynamic_head(quantize, cfg.device, cpu)
         reasons = [dtype_reason, quantize_reason, *([head_reason] if head_reason else [])]
         precision = Precision(dtype_name, quantize, "; ".join(reasons))
         compiled, compiled_reason = choose_compiled_decode(cfg.compile_decode, cfg.device, quantize, cfg.trace_decode,
                                                            find_cpp_compiler())
         runner = await event_loop.run_in_executor(
             loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize,
-            cfg.trace_decode, dynamic_head, choose_onednn_weights(dtype_name, cfg.device), compiled)
+            cfg.trace_decode, dynamic_head_bits, choose_onednn_weights(dtype_name, cfg.device), compiled)
     finally:
         loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
     limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)

@@ -36,7 +36,7 @@ class StepLogits:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, max_batch: int, max_context: int, device: torch.device,
                  dtype: torch.dtype, quantize: str = "none", trace_decode: bool = False,
-                 dynamic_head: bool = False, onednn_weights: bool = False, compile_decode: bool = False) -> None:
+                 dynamic_head_bits: int = 0, onednn_weights: bool = False, compile_decode: bool = False) -> None:
         self.model = model
         self.device = device
         self.cache = KVCache(model.config, max_batch, max_context, dtype, device)
@@ -49,7 +49,7 @@ class ModelRunner:
             for packed in model.projections()[:-1]:
                 packed.pack_onednn()
         if quantize != "none":
-            quantize_model(model.projections(), quantize, dynamic_head=dynamic_head)
+            quantize_model(model.projections(), quantize, dynamic_head_bits=dynamic_head_bits)
         self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = partial(model.decode, cache=self.cache)
         if trace_decode:
             try:
