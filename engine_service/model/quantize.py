@@ -60,7 +60,7 @@ import torch
 
 MAX_ROWS = {"int8": 4, "int4": 8}  # rows up to which the quantized kernel is faster (above)
 DYNAMIC_HEAD_MAX_ROWS = 32
-DYNAMIC_HEAD_BITS = (8, 7)  # the dynamic head's weight bits: 8 with VNNI/AMX, 7 on plain AVX2 (above)
+INT8_BITS = (8, 7)  # an int8 copy's value bits: 7 for the dynamic head on plain AVX2 (above), else 8
 # rows up to which a float32 model's weight-only int8 head beats its float32 weights (the docstring's figures)
 FLOAT32_HEAD_MAX_ROWS = 32
 INT4_GROUP = 32
@@ -104,9 +104,10 @@ class Int4Weight:
 
 class DynamicInt8Weight(torch.nn.Module):
     """Weights of `bits` bits (8, or 7 where fbgemm's pair sums would saturate: the docstring
-    above) multiplied by 8-bit activations quantized on the fly. A module, unlike the other copies: fbgemm's packed weight is a TorchScript object, which a
-    trace (traced_decode.py) reaches only as an attribute of a module it was given, so `Packed`
-    registers this one as its submodule when it is assigned."""
+    above) multiplied by 8-bit activations quantized on the fly. A module, unlike the other copies:
+    fbgemm's packed weight is a TorchScript object, which a trace (traced_decode.py) reaches only as
+    an attribute of a module it was given, so `Packed` registers this one as its submodule when it
+    is assigned."""
 
     def __init__(self, packed: torch.ScriptObject, nbytes: int, max_rows: int, bits: int) -> None:
         super().__init__()
@@ -149,7 +150,7 @@ def quantize_int8(weight: torch.Tensor, max_rows: int = MAX_ROWS["int8"],
     """Per-output-channel symmetric int8 of a (N, K) weight, its values within `bits` bits
     (|q| <= 127 for 8, 63 for 7); an all-zero row gets scale 1. The scales (and so the kernel's
     activations) are in `scales_dtype`, by default the weight's."""
-    if bits not in DYNAMIC_HEAD_BITS:
+    if bits not in INT8_BITS:
         raise ValueError(f"int8 weights have 8 or 7 bits, got {bits!r}")
     levels = 2 ** (bits - 1) - 1
     w = weight.detach().float()
@@ -201,7 +202,7 @@ def quantize_model(projections: Sequence[Projection], method: str, max_rows: int
     fbgemm runs: precision.py)."""
     if method not in MAX_ROWS:
         raise ValueError(f"quantize method must be int8 or int4, got {method!r}")
-    if dynamic_head_bits not in (0, *DYNAMIC_HEAD_BITS) or isinstance(dynamic_head_bits, bool):
+    if dynamic_head_bits not in (0, *INT8_BITS) or isinstance(dynamic_head_bits, bool):
         raise ValueError(f"dynamic_head_bits must be 0 (weight-only head), 8 or 7, got {dynamic_head_bits!r}")
     *layers, head = projections
     layer_quantizer = quantize_int4 if method == "int4" else quantize_int8
