@@ -86,7 +86,7 @@ def choose_dynamic_head(quantize: str, device: str, cpu: CpuInfo) -> tuple[int, 
         return 0, ""
     if cpu.int8_dot:
         return 8, "LM head int8 x 8-bit activations (fbgemm): the CPU has 8-bit dot products (VNNI/AMX)"
-    if cpu.capability == "AVX2" or cpu.capability.startswith("AVX512"):
+    if cpu.kind != "other":  # AVX2 or AVX-512: fbgemm runs
         return 7, ("LM head 7-bit weights x 8-bit activations (fbgemm): the CPU has no VNNI/AMX 8-bit dot "
                    "products, and 7-bit weights keep fbgemm's 16-bit pair sums from saturating")
     return 0, f"LM head int8 weight-only: the CPU's vector capability is {cpu.capability}, below fbgemm's AVX2"
