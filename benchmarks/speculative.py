@@ -1,17 +1,20 @@
 """Prompt-lookup speculation (`--speculative ngram`) on an input-grounded task, and what it costs
-where it cannot help.
+where it cannot help, measured in alternation.
 
-    python benchmarks/speculative.py [--model smollm2] [--engine-args "..."] [--tokens 6]
+    python benchmarks/speculative.py [--model smollm2] [--engine-args "..."] [--tokens 6] [--rounds 4]
 
-Two engines in turn, the same flags but for `--speculative ngram --speculative-tokens K` on the
-second (by default the engine's defaults otherwise). For each:
+Two engines at once, the same flags but for `--speculative ngram --speculative-tokens K` on the
+second (by default the engine's defaults otherwise): each started once, and while one is measured
+the other waits idle, its decode loop asleep. Each round measures both, in the order plain, ngram
+on even rounds and ngram, plain on odd ones (ABBA), so the machine's drift (20-30% between runs on
+some of our machines) falls on both alike:
 1. one stream: the model is asked (as a chat) to repeat a given passage of about 300 tokens
-   exactly, greedy, 256 new tokens; output tok/s = tokens / (last token - request sent), best of 2
-   after a warm-up;
+   exactly, greedy, 256 new tokens; output tok/s = tokens / (last token - request sent);
 2. 8 and 32 at once: 128 random token ids each, 64 new tokens, ignore_eos (nothing to look up
    but what random text repeats by chance): output tok/s over the whole point.
-Prints each figure, speculation's ratio over plain decoding (target: >= 1.8 at one stream,
->= 0.95 at 8 and 32), and the draft tokens accepted per request at one stream.
+Prints each round's figures and ratios (with the draft tokens ngram accepted there), then per point the ratio of the two engines' mean tok/s
+over the rounds with the range of the rounds' own ratios (targets: >= 1.8 at one stream, >= 0.95
+at 8 and 32), and the draft tokens accepted at one stream.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shlex
+import statistics
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
@@ -59,30 +64,42 @@ async def repeat_once(stub: engine_pb2_grpc.EngineServiceStub, new_tokens: int) 
     return count / elapsed, last.usage.speculative_draft_tokens, last.usage.speculative_accepted_tokens
 
 
-async def at_once(stub: engine_pb2_grpc.EngineServiceStub, n: int, seed: int) -> float:
-    async def one(i: int) -> int:
+async def at_once(stub: engine_pb2_grpc.EngineServiceStub, n: int, seed: int) -> tuple[float, int, int]:
+    """(output tok/s over the point, draft tokens, accepted) for n requests of random ids at once."""
+    async def one(i: int) -> tuple[int, int, int]:
         ids = list(make_prompt(seed=seed, length=128, index=i, vocab_size=VOCAB, avoid=SPECIAL))
-        count = 0
+        count, last = 0, None
         async for msg in stub.Decode(pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=ids), max_new_tokens=64,
                                                       ignore_eos=True)):
             count += len(msg.token_ids)
-        return count
+            last = msg
+        return count, last.usage.speculative_draft_tokens, last.usage.speculative_accepted_tokens
 
     started = time.perf_counter()
-    total = sum(await asyncio.gather(*(one(i) for i in range(n))))
-    return total / (time.perf_counter() - started)
+    counts = await asyncio.gather(*(one(i) for i in range(n)))
+    elapsed = time.perf_counter() - started
+    return sum(c[0] for c in counts) / elapsed, sum(c[1] for c in counts), sum(c[2] for c in counts)
 
 
-async def measure(address: str, new_tokens: int) -> dict[str, float]:
+POINTS = ("one", "at8", "at32")
+
+
+async def warm_up(address: str) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
-        await repeat_once(stub, 16)  # warm-up
-        runs = [await repeat_once(stub, new_tokens) for _ in range(2)]
-        best = max(runs)
-        out = {"one": best[0], "drafted": best[1], "accepted": best[2]}
+        await repeat_once(stub, 16)
+        await at_once(stub, 8, seed=1)
+
+
+async def measure(address: str, new_tokens: int, seed: int) -> dict[str, float]:
+    """One round's points on one engine: its tok/s at each, and the one stream's draft counts."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        out: dict[str, float] = {}
+        out["one"], out["one_drafted"], out["one_accepted"] = await repeat_once(stub, new_tokens)
         for n in (8, 32):
-            out[f"at{n}"] = await at_once(stub, n, seed=n)
-    return out
+            out[f"at{n}"], out[f"at{n}_drafted"], out[f"at{n}_accepted"] = await at_once(stub, n, seed=seed + n)
+        return out
 
 
 def main() -> None:
@@ -91,22 +108,38 @@ def main() -> None:
     parser.add_argument("--engine-args", default="", help="further engine flags for both engines")
     parser.add_argument("--tokens", default="6", help="--speculative-tokens")
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of both engines, alternating their order")
     args = parser.parse_args()
+    if args.rounds < 1 or args.new_tokens < 1:
+        parser.error(f"--rounds {args.rounds} and --new-tokens {args.new_tokens} must be positive")
     # the product's defaults (threads, the compiled one-row step) unless --engine-args says otherwise
     base = ["--model", args.model, "--max-context", "2048", "--threads", "0", "--compile-decode", "auto",
             *shlex.split(args.engine_args)]
+    flags = {"plain": [], "ngram": ["--speculative", "ngram", "--speculative-tokens", args.tokens]}
     print(f"# CPU: {detect().describe()}")
-    results = {}
-    for name, extra in (("plain", []), ("ngram", ["--speculative", "ngram", "--speculative-tokens", args.tokens])):
-        with EngineProcess(*base, *extra, start_timeout=300) as proc:
-            results[name] = asyncio.run(measure(proc.address, args.new_tokens))
-        r = results[name]
-        print(f"{name:>5}: one stream repeating {r['one']:6.1f} tok/s (drafted {r['drafted']:.0f}, accepted "
-              f"{r['accepted']:.0f}); 8 at once {r['at8']:6.1f} tok/s; 32 at once {r['at32']:6.1f} tok/s", flush=True)
-    plain, spec = results["plain"], results["ngram"]
-    print(f"one stream, ngram / plain : {spec['one'] / plain['one']:5.2f}  (target >= 1.8)")
-    print(f"8 at once,  ngram / plain : {spec['at8'] / plain['at8']:5.2f}  (target >= 0.95)")
-    print(f"32 at once, ngram / plain : {spec['at32'] / plain['at32']:5.2f}  (target >= 0.95)")
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in flags}
+    with ExitStack() as stack:
+        # one after the other: the first start compiles the one-row step, the second finds it on disk
+        address = {name: stack.enter_context(EngineProcess(*base, *extra, start_timeout=300)).address
+                   for name, extra in flags.items()}
+        for name in flags:
+            asyncio.run(warm_up(address[name]))
+        for r in range(args.rounds):
+            order = list(flags) if r % 2 == 0 else list(reversed(flags))
+            for name in order:  # the same prompts for both engines in a round, new ones each round
+                results[name].append(asyncio.run(measure(address[name], args.new_tokens, seed=100 * r)))
+            plain, spec = results["plain"][-1], results["ngram"][-1]
+            print(f"round {r + 1} ({', '.join(order)}): " + "; ".join(
+                f"{point} {plain[point]:.1f} -> {spec[point]:.1f} tok/s ({spec[point] / plain[point]:.2f}x)"
+                f", accepted {spec[point + '_accepted']:.0f} of {spec[point + '_drafted']:.0f} drafted" for point in POINTS), flush=True)
+    targets = {"one": 1.8, "at8": 0.95, "at32": 0.95}
+    labels = {"one": "one stream", "at8": "8 at once", "at32": "32 at once"}
+    for point in POINTS:
+        plain = statistics.fmean(r[point] for r in results["plain"])
+        spec = statistics.fmean(r[point] for r in results["ngram"])
+        ratios = [s[point] / p[point] for p, s in zip(results["plain"], results["ngram"], strict=True)]
+        print(f"{labels[point]:>10}, ngram / plain: {spec / plain:5.2f} of the means ({plain:.1f} -> {spec:.1f} tok/s), "
+              f"rounds {min(ratios):.2f}-{max(ratios):.2f}  (target >= {targets[point]})")
 
 
 if __name__ == "__main__":

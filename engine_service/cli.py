@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--max-concurrent-streams", type=int, default=256, help="concurrent streams per connection")
     n.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics, on --host (off; 0: any free port, logged)")
-    n.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "info"), help="log level")
+    n.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL"),
+                   help="log level (default: ENGINE_LOG_LEVEL, else LOG_LEVEL, else info)")
     n.add_argument("--log-text", action="store_true", help="log prompt and output text (debug only)")
     t = p.add_argument_group("security")
     t.add_argument("--tls-cert", type=Path, help="PEM server certificate (enables TLS)")

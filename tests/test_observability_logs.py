@@ -94,6 +94,27 @@ def test_the_level_comes_from_the_flag_or_the_environment():
     assert [e["event"] for e in run_logging(code.format(arg=""), {"LOG_LEVEL": ""})] != []
 
 
+def test_the_engines_level_is_its_flag_else_engine_log_level_else_log_level():
+    # as engine_service.cli.main configures it; LOG_LEVEL alone used to be ignored (the flag's
+    # default was "info"), so README's `LOG_LEVEL=debug` for the prefill_step events logged nothing
+    code = ("import sys, structlog\nfrom engine_service.cli import build_parser\nfrom shared.logging import configure_logging\n"
+            "configure_logging(build_parser().parse_args(sys.argv[1:]).log_level)\n"
+            "log = structlog.get_logger()\nlog.debug('d_event')\nlog.info('i_event')\nlog.warning('w_event')\n")
+
+    def events(env: dict[str, str], *argv: str) -> list[str]:
+        import os
+
+        proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True,
+                              timeout=60, env={**{k: v for k, v in os.environ.items() if "LOG_LEVEL" not in k}, **env})
+        assert proc.returncode == 0, proc.stderr
+        return [json.loads(line)["event"] for line in proc.stderr.splitlines()]
+
+    assert events({"LOG_LEVEL": "debug"}) == ["d_event", "i_event", "w_event"]
+    assert events({"LOG_LEVEL": "debug", "ENGINE_LOG_LEVEL": "warning"}) == ["w_event"]
+    assert events({"ENGINE_LOG_LEVEL": "warning"}, "--log-level", "debug") == ["d_event", "i_event", "w_event"]
+    assert events({}) == ["i_event", "w_event"]
+
+
 def test_every_logged_event_is_snake_case_and_documented():
     documented = set(re.findall(r"^\| `([a-z0-9_]+)` \|", EVENTS_DOC.read_text(), flags=re.MULTILINE))
     logged: dict[str, str] = {}
