@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from engine_service.config import EngineConfig
+from engine_service.machine import precision
 from engine_service.machine.cpu import CpuInfo, detect, parse_cpuinfo
 from engine_service.machine.precision import (
     choose_compiled_decode,
@@ -134,8 +135,13 @@ def test_the_lm_head_multiplies_8_bit_activations_with_weights_whose_pair_sums_c
         assert reason == "LM head int8 weight-only: the CPU's vector capability is DEFAULT, below fbgemm's AVX2"
 
 
-def test_only_bfloat16_weights_on_a_cpu_whose_onednn_runs_bfloat16_are_prepacked() -> None:
+def test_only_bfloat16_weights_on_a_cpu_whose_onednn_runs_bfloat16_are_prepacked(monkeypatch) -> None:
     assert choose_onednn_weights("bfloat16", "cpu") is onednn_bfloat16()  # this machine's answer
+    # and as a CPU whose oneDNN runs bfloat16 answers, whatever this one is (on plain AVX2 the
+    # dtype and device tests were never reached: mutants of them survived there)
+    monkeypatch.setattr(precision, "onednn_bfloat16", lambda: True)
+    assert choose_onednn_weights("bfloat16", "cpu") is True
+    assert choose_onednn_weights("bfloat16", "cpu:0") is True
     assert choose_onednn_weights("float32", "cpu") is False
     assert choose_onednn_weights("float16", "cpu") is False
     assert choose_onednn_weights("bfloat16", "cuda:0") is False
