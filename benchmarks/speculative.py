@@ -12,9 +12,9 @@ some of our machines) falls on both alike:
    exactly, greedy, 256 new tokens; output tok/s = tokens / (last token - request sent);
 2. 8 and 32 at once: 128 random token ids each, 64 new tokens, ignore_eos (nothing to look up
    but what random text repeats by chance): output tok/s over the whole point.
-Prints each round's figures and ratios (with the draft tokens ngram accepted there), then per point the ratio of the two engines' mean tok/s
-over the rounds with the range of the rounds' own ratios (targets: >= 1.8 at one stream, >= 0.95
-at 8 and 32), and the draft tokens accepted at one stream.
+Prints each round's figures, their ratios and the draft tokens the ngram engine accepted at each
+point, then per point the ratio of the two engines' mean tok/s over the rounds, with the range of
+the rounds' own ratios (targets: >= 1.8 at one stream, >= 0.95 at 8 and 32).
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ POINTS = ("one", "at8", "at32")
 
 
 async def warm_up(address: str) -> None:
+    """A short request and a point of 8, before any is timed (the engine's first steps warm its caches)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         await repeat_once(stub, 16)
@@ -92,7 +93,7 @@ async def warm_up(address: str) -> None:
 
 
 async def measure(address: str, new_tokens: int, seed: int) -> dict[str, float]:
-    """One round's points on one engine: its tok/s at each, and the one stream's draft counts."""
+    """One round's points on one engine: its tok/s at each, and its draft tokens and accepted ones there."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         out: dict[str, float] = {}
