@@ -34,7 +34,8 @@ def test_aiperf_and_ours_agree_within_10_percent(tmp_path, server):
     for concurrency in (1, 8):
         assert f"c={concurrency}: " in proc.stdout, shown
     for row in JUDGED:
-        assert proc.stdout.count(f"  {row} ") == 2, shown  # one row per concurrency
+        # one row per concurrency, three where it disagreed (the second pair and both pairs' means)
+        assert proc.stdout.count(f"  {row} ") == 2 + 2 * proc.stdout.count(" disagreed: a second pair"), shown
     assert proc.returncode == 0, shown
     assert "all judged figures agree within 10%" in proc.stdout, shown
 
@@ -84,3 +85,55 @@ def test_the_engine_view_refuses_a_broken_event_naming_it(tmp_path):
     xc, server = _engine_log(tmp_path, [_finished("w", 1.0, 1.0, 0.1), _finished("m", 2.0, 1.0, None)])
     with pytest.raises(xc.CrosscheckError, match=r"request 'm' \(status OK\) has ttft_s=None, not a number"):
         server.own_timings(0, run)
+
+
+# llama-server's own view (fast: a written log, no server)
+
+def _slot_lines(stamp_launch, stamp_end, task, prompt_ms, eval_ms, tokens=64):
+    """One task's lines as llama-server logs them, stamped minutes.seconds.milliseconds.microseconds."""
+    def stamp(t):
+        us = round(t * 1e6)
+        return f"{us // 60_000_000}.{us // 1_000_000 % 60:02d}.{us // 1000 % 1000:03d}.{us % 1000:03d}"
+
+    head = f"slot print_timing: id  3 | task {task} |"
+    return (f"{stamp(stamp_launch)} I slot launch_slot_: id  3 | task {task} | processing task, is_child = 0\n"
+            f"{stamp(stamp_end)} I {head} prompt eval time = {prompt_ms:10.2f} ms /   128 tokens (    9.00 ms per "
+            "token,   111.00 tokens per second)\n"
+            f"{stamp(stamp_end)} I {head}        eval time = {eval_ms:10.2f} ms / {tokens:5d} tokens "
+            f"({eval_ms / tokens:8.2f} ms per token,    60.00 tokens per second)\n"
+            f"{stamp(stamp_end)} I {head}       total time = {prompt_ms + eval_ms:10.2f} ms /   192 tokens\n"
+            f"{stamp(stamp_end)} I slot      release: id  3 | task {task} | stop processing: n_tokens = 191\n")
+
+
+def test_the_llama_server_view_counts_ttft_from_the_launch_and_leaves_out_the_warmup(tmp_path):
+    from benchmarks import aiperf_crosscheck as xc
+
+    path = tmp_path / "llama-server.log"
+    path.write_text("0.00.433.477 I srv  llama_server: listening on http://127.0.0.1:1\n"
+                    + _slot_lines(1.0, 3.0, 0, 900.0, 1100.0)  # the warmup: would move every figure
+                    + _slot_lines(59.5, 62.0, 5, 1000.0, 1280.0)  # TTFT 2,500 - 1,280 = 1,220 ms; 20 ms a token
+                    + _slot_lines(59.6, 64.5, 6, 2000.0, 1920.0)  # waited behind task 5: TTFT 4,900 - 1,920
+                    + _slot_lines(62.1, 63.9, 7, 600.0, 1600.0))  # 200 ms of wait, 25 ms a token
+    server = xc.LlamaServer(core=0, ctx=2048, log_path=path)
+    view = server.own_timings(0, xc.Run(concurrency=2, requests=3, warmup=1, prompt_tokens=128, output_tokens=64))
+    assert view["server's prompt ms p50"] == pytest.approx(1000)
+    assert view["server's TTFT ms p50"] == pytest.approx(1220)  # of 1,220, 2,980 and 200
+    assert view["server's ms/token p50"] == pytest.approx(25)
+    assert view["server's ms/token mean"] == pytest.approx((20 + 30 + 25) / 3)
+    assert view["server's tok/s"] == pytest.approx(3 * 64 / (64.5 - 59.5))
+    assert set(server.view.values()) <= {(row, 1) for row in server.shown} and set(view) < set(server.shown)
+    path.write_text(_slot_lines(1.0, 3.0, 0, 900.0, 1100.0).split("\n", 1)[1])  # no launch line
+    with pytest.raises(xc.CrosscheckError, match="task 0's eval time at 0.03.000.000 has no launch_slot_ line"):
+        server.own_timings(0, xc.Run(concurrency=1, requests=1, warmup=0, prompt_tokens=128, output_tokens=64))
+
+
+def test_a_clients_two_runs_pool_into_their_means():
+    from benchmarks import aiperf_crosscheck as xc
+
+    first = xc.Figures("ours", {"TTFT p50 ms": 100.0, "failed": 0.0, "retries": None}, note="usage",
+                       others_busy_cores=0.02, wall_s=10.0)
+    second = xc.Figures("ours", {"TTFT p50 ms": 300.0, "failed": 2.0, "retries": 1.0}, others_busy_cores=0.4, wall_s=5.0)
+    both = xc.pooled(first, second)
+    assert both.values == {"TTFT p50 ms": 200.0, "failed": 1.0, "retries": None}
+    assert (both.client, both.others_busy_cores, both.wall_s) == ("ours", 0.4, 15.0)
+    assert both.note == "usage; the mean of 2 runs"
