@@ -190,6 +190,24 @@ def test_a_dynamic_head_serves_up_to_32_rows_and_can_be_replaced_by_another_copy
     assert head.quantized is None
 
 
+@pytest.mark.parametrize(("dtype", "rows"), [(torch.float32, 24), (torch.bfloat16, 8)])
+def test_int4_layers_serve_24_rows_of_a_float32_model_and_8_of_a_bfloat16_one(dtype, rows) -> None:  # type: ignore[no-untyped-def]
+    loaded = load_model("tiny", CPU, dtype)
+    model = loaded.model
+    model.pack_projections()
+    quantize_model(model.projections(), "int4")
+    *layers, _ = model.projections()
+    assert {p.quantized.max_rows for p in layers} == {rows}  # type: ignore[union-attr]
+    gate_up = layers[2]
+    x = torch.randn(1, rows, gate_up.weight.shape[1], dtype=dtype)
+    assert torch.equal(gate_up(x), gate_up.quantized.matmul(x))  # type: ignore[union-attr]
+    assert not torch.equal(gate_up(x), F.linear(x, gate_up.weight))
+    x = torch.randn(1, rows + 1, gate_up.weight.shape[1], dtype=dtype)
+    assert torch.equal(gate_up(x), F.linear(x, gate_up.weight))
+    quantize_model(model.projections(), "int8")  # int8 copies keep 4 rows whatever the dtype
+    assert {p.quantized.max_rows for p in layers} == {4}  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(("dtype", "rows"), [(torch.float32, 32), (torch.bfloat16, 4)])
 def test_the_weight_only_head_serves_32_rows_of_a_float32_model_and_4_of_a_bfloat16_one(dtype, rows) -> None:  # type: ignore[no-untyped-def]
     loaded = load_model("tiny", CPU, dtype)

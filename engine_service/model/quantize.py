@@ -40,8 +40,13 @@ CPU's matrix units win) with the original weights.
 
 Measured over the 30 layers' matmuls of SmolLM2 in bfloat16 (ms for 1/4/8/16 rows): bfloat16
 32.0/30.9/26.1/31.1, int8 14.0/17.3/33.6/56.2, int4 7.7/9.8/22.7/42.7; hence the row limits. A
-float32 model's weight-only int8 head serves up to 32 rows (`head_max_rows`): its float32 table is
-113 MB a call. SmolLM2's head, 2 threads, AMD EPYC of family 25 model 1 (AVX2, no VNNI: `auto`
+float32 model's int4 copies serve up to 24 rows (`layer_max_rows`): the float32 weights they stand
+in for are 420 MB a pass and slow at few rows. Whole traced decode steps with the copies serving 24
+rows against 8, in one process (`benchmarks/step_ab.py`, SmolLM2, 2 threads, AMD EPYC of family 25
+model 1, 2026-12-04), B / A at 8/12/16/20/24/32 rows: 0.965/0.682/0.667/0.794/0.896/0.988; the 30
+layers' 120 matmuls alone, int4 / float32 at 16/24/32/40/48 rows: 0.80-0.98/0.91-1.02/0.89/1.22/1.34
+(two runs; a 256 MB buffer written before each pass). A float32 model's weight-only int8 head serves
+up to 32 rows (`head_max_rows`): its float32 table is 113 MB a call. SmolLM2's head, 2 threads, AMD EPYC of family 25 model 1 (AVX2, no VNNI: `auto`
 chooses float32 there), `python benchmarks/lm_head.py` (caches flushed before each call), ms for
 1/4/8/16/24/32 rows: float32 11.1/25.5/22.1/23.3/25.7/29.8, weight-only int8 4.1/6.0/9.8/16.8/24.7/
 32.8. 32 rows is the edge (1.10x alone); in whole steps, in one process (`benchmarks/step_ab.py`),
@@ -59,6 +64,8 @@ from typing import Protocol
 import torch
 
 MAX_ROWS = {"int8": 4, "int4": 8}  # rows up to which the quantized kernel is faster (above)
+# rows up to which a float32 model's int4 copies beat its float32 weights (the docstring's figures)
+FLOAT32_INT4_MAX_ROWS = 24
 DYNAMIC_HEAD_MAX_ROWS = 32
 INT8_BITS = (8, 7)  # an int8 copy's value bits: 7 for the dynamic head on plain AVX2 (above), else 8
 # rows up to which a float32 model's weight-only int8 head beats its float32 weights (the docstring's figures)
@@ -145,6 +152,13 @@ def head_max_rows(dtype: torch.dtype) -> int:
     return FLOAT32_HEAD_MAX_ROWS if dtype == torch.float32 else MAX_ROWS["int8"]
 
 
+def layer_max_rows(method: str, dtype: torch.dtype) -> int:
+    """The rows up to which a layer's `method` copy serves a model in `dtype`: a float32 model's
+    int4 copies serve more (FLOAT32_INT4_MAX_ROWS), since the weights they stand in for read four
+    bytes a value where bfloat16's read two."""
+    return FLOAT32_INT4_MAX_ROWS if method == "int4" and dtype == torch.float32 else MAX_ROWS[method]
+
+
 def quantize_int8(weight: torch.Tensor, max_rows: int = MAX_ROWS["int8"],
                   scales_dtype: torch.dtype | None = None, bits: int = 8) -> Int8Weight:
     """Per-output-channel symmetric int8 of a (N, K) weight, its values within `bits` bits
@@ -208,7 +222,9 @@ def quantize_model(projections: Sequence[Projection], method: str, max_rows: int
     layer_quantizer = quantize_int4 if method == "int4" else quantize_int8
     with torch.no_grad():
         for packed in layers:
-            packed.quantized = layer_quantizer(packed.weight, MAX_ROWS[method] if max_rows is None else max_rows,  # type: ignore[arg-type]
+            packed.quantized = layer_quantizer(packed.weight,  # type: ignore[arg-type]
+                                               layer_max_rows(method, packed.weight.dtype) if max_rows is None  # type: ignore[union-attr]
+                                               else max_rows,
                                                kernel_dtype(packed.weight.dtype))  # type: ignore[union-attr]
         if dynamic_head_bits:
             head.quantized = quantize_dynamic_int8(head.weight, DYNAMIC_HEAD_MAX_ROWS if max_rows is None  # type: ignore[arg-type]
