@@ -35,3 +35,17 @@ def test_drill_passes_quick(name: str) -> None:
     row = run_one(name, quick=True)
     assert row.lost == 0, row
     assert row.passed, row.happened
+
+
+def test_a_half_closed_callers_stream_may_be_cut_short_but_not_garbled() -> None:
+    """fuzz-front's judgement of a half-closed caller's stream that ended early (the front read the
+    FIN mid-stream, under load): whole events must still be the stream's own."""
+    from drills.fuzz_front import cut_short_stream
+    from drills.raw_http import Reply
+
+    event = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+    assert cut_short_stream(Reply(200, {}, event + b'data: {"cho', complete=False)) == []
+    assert cut_short_stream(Reply(200, {}, b"", complete=False)) == []
+    wrong = cut_short_stream(Reply(200, {}, event + b"data: {nope}\n\n" + event, complete=False))
+    assert len(wrong) == 1 and "data: {nope}" in wrong[0][1]
+    assert cut_short_stream(Reply(200, {}, b"event: ping\n\n", complete=False))
