@@ -81,7 +81,7 @@ from engine_service.machine.precision import choose_dynamic_head
 from engine_service.model.llama import LlamaForCausalLM, Packed, RMSNorm
 from engine_service.model.loader import load_model
 from engine_service.model.presets import DEFAULT_MODEL
-from engine_service.model.quantize import DynamicInt8Weight, Int4Weight, Int8Weight
+from engine_service.model.quantize import DynamicInt8Weight, Int4Weight, Int8Weight, Q4Weight
 from engine_service.runtime.build import DTYPES
 from engine_service.runtime.model_runner import ModelRunner
 
@@ -167,6 +167,9 @@ def _projection_read(packed: Packed) -> tuple[list[torch.Tensor], int, str]:
     if isinstance(q, Int4Weight) and q.max_rows >= 1:
         tensors = [q.packed, q.scales_and_zeros, *bias]
         return tensors, _nbytes(tensors), f"int4 + {_dtype(q.scales_and_zeros)} scales/offsets"
+    if isinstance(q, Q4Weight) and q.max_rows >= 1:
+        tensors = [q.q, q.scales, q.lows, *bias]
+        return tensors, _nbytes(tensors), "int4 + float32 scales/lows (the float32 int4 kernel)"
     if isinstance(q, Int8Weight) and q.max_rows >= 1:
         tensors = [q.weight, q.scales, *bias]
         return tensors, _nbytes(tensors), f"int8 + {_dtype(q.scales)} scales"

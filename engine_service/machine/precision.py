@@ -92,6 +92,18 @@ def choose_dynamic_head(quantize: str, device: str, cpu: CpuInfo) -> tuple[int, 
     return 0, f"LM head int8 weight-only: the CPU's vector capability is {cpu.capability}, below fbgemm's AVX2"
 
 
+def choose_q4_kernel(quantize: str, dtype: str, device: str, cpu: CpuInfo, compiler: str | None) -> tuple[bool, str]:
+    """(whether a float32 model's int4 layers run the float32 int4 kernel, model/q4_matmul.py;
+    reason, "" where the question does not arise) for a model in `dtype` served with `quantize`."""
+    if quantize != "int4" or dtype != "float32" or not device.startswith("cpu"):
+        return False, ""
+    if not {"avx2", "fma"} <= cpu.flags:
+        return False, "int4 layers in torch's bfloat16 kernel: the float32 int4 kernel needs AVX2 and FMA"
+    if compiler is None:
+        return False, "int4 layers in torch's bfloat16 kernel: no C++ compiler ($CXX, g++) to build the float32 one"
+    return True, "int4 layers in the float32 int4 kernel (AVX2, built at start-up)"
+
+
 def choose_onednn_weights(dtype: str, device: str) -> bool:
     """Whether the layers' weights in `dtype` get a copy prepacked for oneDNN on `device`."""
     return dtype == "bfloat16" and device.startswith("cpu") and onednn_bfloat16()

@@ -17,7 +17,10 @@ CPU's matrix units win) with the original weights.
   file's own 4-bit values (in float32, the layers' int4 logits matched the unquantized ones on
   every top-1 and within 0.0005); in bfloat16 scale and offset are rounded. The LM head gets int8
   (`quantize_model`). Only with bfloat16 activations are these kernels fast, so a float32 model's
-  calls are cast to bfloat16 and back (`kernel_dtype`), and its copy's scales are bfloat16.
+  calls are cast to bfloat16 and back (`kernel_dtype`), and its copy's scales are bfloat16; where
+  the float32 int4 kernel is built (q4_matmul.py, on a CPU with AVX2 and FMA: precision.py's
+  choose_q4_kernel), a float32 model's int4 layers get `Q4Weight`s instead, the same groups with
+  float32 scales and lows, multiplied in float32 with no casts.
 - The LM head, on a CPU where fbgemm runs (AVX2 and up: `dynamic_head_bits`, chosen in
   engine_service/machine/precision.py): int8 weights per output channel, as above, and the call's
   activations quantized to 8 bits on the fly (one scale and offset for the call's rows), multiplied
@@ -62,6 +65,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from engine_service.model import q4_matmul
 
 MAX_ROWS = {"int8": 4, "int4": 8}  # rows up to which the quantized kernel is faster (above)
 # rows up to which a float32 model's int4 copies beat its float32 weights (the docstring's figures)
@@ -109,6 +114,19 @@ class Int4Weight:
             rows, self.packed, INT4_GROUP, self.scales_and_zeros))
 
 
+@dataclass(frozen=True)
+class Q4Weight:
+    """A float32 model's int4 copy for the float32 int4 kernel (q4_matmul.py): float32 in and out."""
+
+    q: torch.Tensor  # (N, K / 2) uint8, two 4-bit values a byte in Q4_1's order (q4_matmul.pack)
+    scales: torch.Tensor  # (N, K / 32) float32
+    lows: torch.Tensor  # (N, K / 32) float32: w = q * scale + low
+    max_rows: int
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return through_rows(x, torch.float32, lambda rows: torch.ops.engine_q4.matmul(rows, self.q, self.scales, self.lows))
+
+
 class DynamicInt8Weight(torch.nn.Module):
     """Weights of `bits` bits (8, or 7 where fbgemm's pair sums would saturate: the docstring
     above) multiplied by 8-bit activations quantized on the fly. A module, unlike the other copies:
@@ -129,7 +147,7 @@ class DynamicInt8Weight(torch.nn.Module):
             rows, self.packed, False))  # 8-bit activations, not 7
 
 
-QuantizedWeight = Int8Weight | Int4Weight | DynamicInt8Weight
+QuantizedWeight = Int8Weight | Int4Weight | Q4Weight | DynamicInt8Weight
 
 
 def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -192,6 +210,22 @@ def quantize_int4(weight: torch.Tensor, max_rows: int = MAX_ROWS["int4"],
                   scales_dtype: torch.dtype | None = None) -> Int4Weight:
     """Asymmetric 4-bit of a (N, K) weight in groups of 32 along K; a constant group gets scale 0.
     Scales and offsets (and the kernel's activations) in `scales_dtype`, by default the weight's."""
+    q, scale, low = int4_groups(weight)
+    zero = low + 8 * scale  # (q - 8) * scale + zero == q * scale + low
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(weight.shape).contiguous(), 1)
+    scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(scales_dtype or weight.dtype).contiguous()
+    return Int4Weight(packed, scales_and_zeros, max_rows)
+
+
+def quantize_q4(weight: torch.Tensor, max_rows: int = FLOAT32_INT4_MAX_ROWS) -> Q4Weight:
+    """`quantize_int4`'s groups for the float32 int4 kernel (q4_matmul.py), scales and lows in float32."""
+    q, scale, low = int4_groups(weight)
+    return Q4Weight(q4_matmul.pack(q.view(weight.shape)), scale.contiguous(), low.contiguous(), max_rows)
+
+
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A (N, K) weight's asymmetric 4-bit groups of 32 along K: values (N, K / 32, 32) 0..15 and
+    float32 scales and lows (N, K / 32), w ~ q * scale + low; a constant group gets scale 0."""
     n, k = weight.shape
     if k % INT4_GROUP:
         raise ValueError(f"--quantize int4 needs input sizes that are multiples of {INT4_GROUP}, got a {n}x{k} weight")
@@ -200,20 +234,18 @@ def quantize_int4(weight: torch.Tensor, max_rows: int = MAX_ROWS["int4"],
     scale = (high - low) / 15
     q = torch.where(scale[..., None] > 0, torch.round((w - low[..., None]) / scale[..., None].clamp(min=1e-30)),
                     torch.zeros_like(w)).clamp_(0, 15)
-    zero = low + 8 * scale  # (q - 8) * scale + zero == q * scale + low
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(n, k).contiguous(), 1)
-    scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(scales_dtype or weight.dtype).contiguous()
-    return Int4Weight(packed, scales_and_zeros, max_rows)
+    return q, scale, low
 
 
 def quantize_model(projections: Sequence[Projection], method: str, max_rows: int | None = None,
-                   dynamic_head_bits: int = 0) -> None:
+                   dynamic_head_bits: int = 0, q4_kernel: bool = False) -> None:
     """Give every projection of a model, the LM head last (`LlamaForCausalLM.projections()`, packed:
     call after `pack_projections`), its quantized copy. With int4 the LM head gets int8: embeddings
     are often kept at 8 bits (the packaged SmolLM2's are Q8_0, and 4 bits there moved top-1 on 13%
     of positions of a text against 3% for int8); with `dynamic_head_bits` (8 or 7; 0 for none) it is
     multiplied with 8-bit activations, its weights in that many bits (`DynamicInt8Weight`, where
-    fbgemm runs: precision.py)."""
+    fbgemm runs: precision.py). With `q4_kernel` (the float32 int4 kernel loaded: q4_matmul.py) a
+    float32 model's int4 layers get `Q4Weight`s."""
     if method not in MAX_ROWS:
         raise ValueError(f"quantize method must be int8 or int4, got {method!r}")
     if dynamic_head_bits not in (0, *INT8_BITS) or isinstance(dynamic_head_bits, bool):
@@ -222,6 +254,10 @@ def quantize_model(projections: Sequence[Projection], method: str, max_rows: int
     layer_quantizer = quantize_int4 if method == "int4" else quantize_int8
     with torch.no_grad():
         for packed in layers:
+            if q4_kernel and method == "int4" and packed.weight.dtype == torch.float32:  # type: ignore[union-attr]
+                packed.quantized = quantize_q4(packed.weight, FLOAT32_INT4_MAX_ROWS if max_rows is None  # type: ignore[arg-type]
+                                               else max_rows)
+                continue
             packed.quantized = layer_quantizer(packed.weight,  # type: ignore[arg-type]
                                                layer_max_rows(method, packed.weight.dtype) if max_rows is None  # type: ignore[union-attr]
                                                else max_rows,

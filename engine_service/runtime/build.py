@@ -23,9 +23,12 @@ from engine_service.machine.precision import (
     choose_dtype,
     choose_dynamic_head,
     choose_onednn_weights,
+    choose_q4_kernel,
     choose_quantize,
     find_cpp_compiler,
 )
+from engine_service.model import q4_matmul
+from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.loader import LoadedModel, load_model
 from engine_service.requests import Limits
 from engine_service.runtime.engine import Engine, EngineInfo, FatalCallback
@@ -62,13 +65,15 @@ async def build_engine(config: EngineConfig) -> Engine:
         loaded = await event_loop.run_in_executor(loader, load_model, cfg.model, device, dtype)
         quantize, quantize_reason = choose_quantize(cfg.quantize, cfg.device, loaded.weight_format)
         dynamic_head_bits, head_reason = choose_dynamic_head(quantize, cfg.device, cpu)
-        reasons = [dtype_reason, quantize_reason, *([head_reason] if head_reason else [])]
+        q4_kernel, q4_reason = await event_loop.run_in_executor(loader, _load_q4_kernel, quantize, dtype_name, cfg.device,
+                                                                cpu)
+        reasons = [dtype_reason, quantize_reason, *(r for r in (head_reason, q4_reason) if r)]
         precision = Precision(dtype_name, quantize, "; ".join(reasons))
         compiled, compiled_reason = choose_compiled_decode(cfg.compile_decode, cfg.device, quantize, cfg.trace_decode,
                                                            find_cpp_compiler())
         runner = await event_loop.run_in_executor(
             loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize,
-            cfg.trace_decode, dynamic_head_bits, choose_onednn_weights(dtype_name, cfg.device), compiled)
+            cfg.trace_decode, dynamic_head_bits, choose_onednn_weights(dtype_name, cfg.device), compiled, q4_kernel)
     finally:
         loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
     limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)
@@ -94,6 +99,23 @@ async def build_engine(config: EngineConfig) -> Engine:
              prefix_cache_bytes=runner.cache.bytes_per_token() * cfg.prefix_cache_tokens,
              tokenizer=loaded.tokenizer.kind)
     return engine
+
+
+def _load_q4_kernel(quantize: str, dtype: str, device: str, cpu: CpuInfo) -> tuple[bool, str]:
+    """(whether the float32 int4 kernel serves, reason): choose_q4_kernel's answer, and where it
+    says yes, the library built or found in the compile cache and loaded (model/q4_matmul.py)."""
+    compiler = find_cpp_compiler()
+    chosen, reason = choose_q4_kernel(quantize, dtype, device, cpu, compiler)
+    if not chosen or compiler is None:
+        return False, reason
+    try:
+        q4_matmul.load(compiler, cache_dir())
+    except (RuntimeError, OSError) as err:
+        # the compiler's failure, torch's refusal to load the library or the cache directory's:
+        # torch's bfloat16 int4 kernel serves, slower, and engine_ready's precision_reason says why
+        log.warning("q4_kernel_failed", error_type=type(err).__name__, error=str(err)[:2000])
+        return False, f"int4 layers in torch's bfloat16 kernel: the float32 one failed to build ({type(err).__name__})"
+    return True, reason
 
 
 def _engine_info(cfg: EngineConfig, loaded: LoadedModel, precision: Precision, device: torch.device,
