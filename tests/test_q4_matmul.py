@@ -187,3 +187,26 @@ def test_a_compiler_that_fails_raises_with_its_output(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"exited 1 building q4_matmul.cpp"):
         q4_matmul._compile("false", tmp_path / "x.so")
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+
+
+@needs_kernel
+@pytest.mark.compile
+def test_the_compiled_one_row_step_calls_the_kernel_and_follows_the_trace(
+        kernel: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENGINE_COMPILE_CACHE", str(tmp_path))
+    model = load_model("tiny", CPU, torch.float32).model
+    runner = ModelRunner(model, 2, 64, CPU, torch.float32, "int4", trace_decode=True, compile_decode=True,
+                         q4_kernel=True)
+    assert runner.compiled_decode == "on"
+    assert all(isinstance(p.quantized, Q4Weight) for p in model.projections()[:-1])
+    picks = {}
+    for name, step in (("compiled", runner._decode), ("traced", runner._decode._fallback)):  # type: ignore[attr-defined]
+        runner.cache.k.zero_()
+        runner.cache.v.zero_()
+        model.prefill(torch.tensor([[5, 6, 7, 8]]), torch.tensor([4]), runner.cache, 0)
+        token, tokens = torch.tensor([9]), []
+        for position in range(4, 14):
+            token = step(token, torch.tensor([position])).argmax(-1)
+            tokens.append(int(token))
+        picks[name] = tokens
+    assert picks["compiled"] == picks["traced"]
