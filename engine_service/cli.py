@@ -12,6 +12,7 @@ from engine_service.config import (
     COMPILE_DECODE_CHOICES,
     DEFAULT_PREFIX_CACHE_TOKENS,
     DTYPE_CHOICES,
+    INT4_KERNEL_CHOICES,
     QUANTIZE_CHOICES,
     SPECULATIVE_METHODS,
     EngineConfig,
@@ -62,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "two on 2 cores, then kept in $ENGINE_COMPILE_CACHE, else ~/.cache/engine-bench/compiled) "
                         "and fuses the step's small operators in; its logits round differently from the trace's. "
                         "off: the traced step alone. engine_ready says which ran and why")
+    m.add_argument("--int4-kernel", default="auto", choices=INT4_KERNEL_CHOICES,
+                   help="auto: a float32 model's int4 layers multiply in the engine's float32 int4 kernel where the "
+                        "CPU has AVX2 and FMA and a C++ compiler is found (built at the first start, about 10 s, then "
+                        "kept beside the compiled step's library); torch: in torch's int4 kernel, which computes in "
+                        "bfloat16. engine_ready's precision_reason says which")
     s = p.add_argument_group("scheduler and limits")
     s.add_argument("--max-batch", type=int, default=32, help="running sequences decoded together")
     s.add_argument("--max-context", type=int, default=2048,
@@ -140,7 +146,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         stream_interval=args.stream_interval,
         stall_seconds=args.stall_seconds,
         faults=FaultPlan.parse(args.fault), threads=args.threads, quantize=args.quantize,
-        trace_decode=args.trace_decode, compile_decode=args.compile_decode, speculative=args.speculative, speculative_tokens=args.speculative_tokens,
+        trace_decode=args.trace_decode, compile_decode=args.compile_decode, int4_kernel=args.int4_kernel, speculative=args.speculative, speculative_tokens=args.speculative_tokens,
     )
     server = ServerConfig(
         host=args.host, port=args.port, grace_seconds=args.grace_seconds, max_receive_bytes=args.max_receive_bytes,

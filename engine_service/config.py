@@ -43,6 +43,7 @@ class EngineConfig:
     speculative_tokens: int = 6  # draft tokens per step and row with --speculative ngram
     trace_decode: bool = True  # the decode step through TorchScript traces (engine_service/model/traced_decode.py)
     compile_decode: str = "auto"  # auto: one-row steps through AOTInductor where precision.py allows it, or off
+    int4_kernel: str = "auto"  # auto: a float32 model's int4 layers in model/q4_matmul.py where precision.py allows it, or torch
 
     def __post_init__(self) -> None:
         _positive("max_batch", self.max_batch)
@@ -80,6 +81,8 @@ class EngineConfig:
         if self.compile_decode not in COMPILE_DECODE_CHOICES:
             raise ValueError(f"compile_decode must be one of {', '.join(COMPILE_DECODE_CHOICES)}, "
                              f"got {self.compile_decode!r}")
+        if self.int4_kernel not in INT4_KERNEL_CHOICES:
+            raise ValueError(f"int4_kernel must be one of {', '.join(INT4_KERNEL_CHOICES)}, got {self.int4_kernel!r}")
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ QUANTIZE_METHODS = ("none", "int8", "int4")
 QUANTIZE_CHOICES = ("auto", *QUANTIZE_METHODS)
 SPECULATIVE_METHODS = ("none", "ngram")
 COMPILE_DECODE_CHOICES = ("auto", "off")
+INT4_KERNEL_CHOICES = ("auto", "torch")
 
 
 def _positive(name: str, value: int) -> None:

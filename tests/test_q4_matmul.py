@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
+from engine_service.config import EngineConfig
 from engine_service.machine.cpu import CpuInfo, detect
 from engine_service.machine.precision import choose_dynamic_head, choose_q4_kernel, find_cpp_compiler
 from engine_service.model import q4_matmul
@@ -144,7 +145,9 @@ def test_a_float32_models_traced_steps_through_the_kernel_pick_the_float32_layer
 @needs_kernel
 def test_an_engine_serving_float32_int4_runs_the_kernel_says_so_and_gives_its_tokens(kernel: Path) -> None:
     prompt = [197, 215, 20, 132, 248, 207]
-    with EngineProcess("--model", "tiny", "--dtype", "float32", "--quantize", "int4", "--max-context", "64") as engine:
+    with EngineProcess("--model", "tiny", "--dtype", "float32", "--quantize", "int4", "--max-context", "64") as engine, \
+            EngineProcess("--model", "tiny", "--dtype", "float32", "--quantize", "int4", "--max-context", "64",
+                          "--int4-kernel", "torch") as torch_kernel:
         model = load_model("tiny", CPU, torch.float32).model
         model.pack_projections()
         model.setup_rope(64, CPU)
@@ -157,6 +160,10 @@ def test_an_engine_serving_float32_int4_runs_the_kernel_says_so_and_gives_its_to
             info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
             request = pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_new_tokens=24, ignore_eos=True)
             tokens = [i for m in stub.Decode(request, timeout=60) for i in m.token_ids]
+        with grpc.insecure_channel(torch_kernel.address) as channel:
+            reason = engine_pb2_grpc.EngineServiceStub(channel).GetServerInfo(pb.GetServerInfoRequest(),
+                                                                              timeout=5).precision_reason
+    assert reason.endswith("int4 layers in torch's bfloat16 kernel: --int4-kernel torch")
     assert "int4 layers in the float32 int4 kernel (AVX2, built at start-up)" in info.precision_reason
     assert (info.dtype, info.quantization) == ("float32", "int4")
     assert tokens == expected
@@ -166,21 +173,30 @@ def avx2(flags: str) -> CpuInfo:
     return CpuInfo(model_name="AMD EPYC", capability="AVX2", flags=frozenset(flags.split()), onednn_max_isa="")
 
 
-@pytest.mark.parametrize(("quantize", "dtype", "device", "flags", "compiler", "answer"), [
-    ("int4", "float32", "cpu", "avx2 fma", "/usr/bin/g++",
+@pytest.mark.parametrize(("requested", "quantize", "dtype", "device", "flags", "compiler", "answer"), [
+    ("auto", "int4", "float32", "cpu", "avx2 fma", "/usr/bin/g++",
      (True, "int4 layers in the float32 int4 kernel (AVX2, built at start-up)")),
-    ("int4", "float32", "cpu", "avx2", "/usr/bin/g++",
+    ("torch", "int4", "float32", "cpu", "avx2 fma", "/usr/bin/g++",
+     (False, "int4 layers in torch's bfloat16 kernel: --int4-kernel torch")),
+    ("auto", "int4", "float32", "cpu", "avx2", "/usr/bin/g++",
      (False, "int4 layers in torch's bfloat16 kernel: the float32 int4 kernel needs AVX2 and FMA")),
-    ("int4", "float32", "cpu", "avx2 fma", None,
+    ("auto", "int4", "float32", "cpu", "avx2 fma", None,
      (False, "int4 layers in torch's bfloat16 kernel: no C++ compiler ($CXX, g++) to build the float32 one")),
-    ("int4", "bfloat16", "cpu", "avx2 fma", "/usr/bin/g++", (False, "")),
-    ("int8", "float32", "cpu", "avx2 fma", "/usr/bin/g++", (False, "")),
-    ("none", "float32", "cpu", "avx2 fma", "/usr/bin/g++", (False, "")),
-    ("int4", "float32", "cuda", "avx2 fma", "/usr/bin/g++", (False, "")),
+    ("auto", "int4", "bfloat16", "cpu", "avx2 fma", "/usr/bin/g++", (False, "")),
+    ("torch", "int4", "bfloat16", "cpu", "avx2 fma", "/usr/bin/g++", (False, "")),
+    ("auto", "int8", "float32", "cpu", "avx2 fma", "/usr/bin/g++", (False, "")),
+    ("auto", "none", "float32", "cpu", "avx2 fma", "/usr/bin/g++", (False, "")),
+    ("auto", "int4", "float32", "cuda", "avx2 fma", "/usr/bin/g++", (False, "")),
 ])
 def test_the_kernel_serves_a_float32_models_int4_layers_where_avx2_fma_and_a_compiler_are(
-        quantize: str, dtype: str, device: str, flags: str, compiler: str | None, answer: tuple[bool, str]) -> None:
-    assert choose_q4_kernel(quantize, dtype, device, avx2(flags), compiler) == answer
+        requested: str, quantize: str, dtype: str, device: str, flags: str, compiler: str | None,
+        answer: tuple[bool, str]) -> None:
+    assert choose_q4_kernel(requested, quantize, dtype, device, avx2(flags), compiler) == answer
+
+
+def test_an_unknown_int4_kernel_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="int4_kernel must be one of auto, torch, got 'fast'"):
+        EngineConfig(int4_kernel="fast")
 
 
 def test_a_compiler_that_fails_raises_with_its_output(tmp_path: Path) -> None:

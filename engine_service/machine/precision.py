@@ -92,11 +92,15 @@ def choose_dynamic_head(quantize: str, device: str, cpu: CpuInfo) -> tuple[int, 
     return 0, f"LM head int8 weight-only: the CPU's vector capability is {cpu.capability}, below fbgemm's AVX2"
 
 
-def choose_q4_kernel(quantize: str, dtype: str, device: str, cpu: CpuInfo, compiler: str | None) -> tuple[bool, str]:
+def choose_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo,
+                     compiler: str | None) -> tuple[bool, str]:
     """(whether a float32 model's int4 layers run the float32 int4 kernel, model/q4_matmul.py;
-    reason, "" where the question does not arise) for a model in `dtype` served with `quantize`."""
+    reason, "" where the question does not arise) for `--int4-kernel requested` (auto or torch) of
+    a model in `dtype` served with `quantize`."""
     if quantize != "int4" or dtype != "float32" or not device.startswith("cpu"):
         return False, ""
+    if requested == "torch":
+        return False, "int4 layers in torch's bfloat16 kernel: --int4-kernel torch"
     if not {"avx2", "fma"} <= cpu.flags:
         return False, "int4 layers in torch's bfloat16 kernel: the float32 int4 kernel needs AVX2 and FMA"
     if compiler is None:

@@ -65,8 +65,8 @@ async def build_engine(config: EngineConfig) -> Engine:
         loaded = await event_loop.run_in_executor(loader, load_model, cfg.model, device, dtype)
         quantize, quantize_reason = choose_quantize(cfg.quantize, cfg.device, loaded.weight_format)
         dynamic_head_bits, head_reason = choose_dynamic_head(quantize, cfg.device, cpu)
-        q4_kernel, q4_reason = await event_loop.run_in_executor(loader, _load_q4_kernel, quantize, dtype_name, cfg.device,
-                                                                cpu)
+        q4_kernel, q4_reason = await event_loop.run_in_executor(loader, _load_q4_kernel, cfg.int4_kernel, quantize,
+                                                                dtype_name, cfg.device, cpu)
         reasons = [dtype_reason, quantize_reason, *(r for r in (head_reason, q4_reason) if r)]
         precision = Precision(dtype_name, quantize, "; ".join(reasons))
         compiled, compiled_reason = choose_compiled_decode(cfg.compile_decode, cfg.device, quantize, cfg.trace_decode,
@@ -101,11 +101,11 @@ async def build_engine(config: EngineConfig) -> Engine:
     return engine
 
 
-def _load_q4_kernel(quantize: str, dtype: str, device: str, cpu: CpuInfo) -> tuple[bool, str]:
+def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo) -> tuple[bool, str]:
     """(whether the float32 int4 kernel serves, reason): choose_q4_kernel's answer, and where it
     says yes, the library built or found in the compile cache and loaded (model/q4_matmul.py)."""
     compiler = find_cpp_compiler()
-    chosen, reason = choose_q4_kernel(quantize, dtype, device, cpu, compiler)
+    chosen, reason = choose_q4_kernel(requested, quantize, dtype, device, cpu, compiler)
     if not chosen or compiler is None:
         return False, reason
     try:
