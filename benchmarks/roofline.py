@@ -77,7 +77,7 @@ from bench_client.prompts import make_prompt
 from bench_client.rpc import EngineClient
 from bench_client.server_api import DecodeSpec, ServerInfo
 from engine_service.machine.cpu import detect
-from engine_service.machine.precision import choose_dynamic_head
+from engine_service.machine.precision import Q4_KERNEL_ON, choose_dynamic_head
 from engine_service.model.llama import LlamaForCausalLM, Packed, RMSNorm
 from engine_service.model.loader import load_model
 from engine_service.model.presets import DEFAULT_MODEL
@@ -234,8 +234,9 @@ def count_bytes(model_spec: str, info: ServerInfo, context: int) -> StepBytes:
         raise RooflineError(f"{step}: the engine serves {info.model!r}, the model here is {loaded.name!r} "
                             f"(a --model inside --engine-args? use --model)")
     dynamic_head_bits, _ = choose_dynamic_head(info.quantization, "cpu", detect())  # as the engine chose on this machine
+    # the float32 int4 kernel's copies where the engine says it built them (their scales are float32)
     runner = ModelRunner(loaded.model, 1, max(context, 1), device, dtype, info.quantization, trace_decode=False,
-                         dynamic_head_bits=dynamic_head_bits)
+                         dynamic_head_bits=dynamic_head_bits, q4_kernel=Q4_KERNEL_ON in info.precision_reason)
     return decode_step_bytes(loaded.model, runner.cache.bytes_per_token(), context)
 
 

@@ -92,6 +92,9 @@ def choose_dynamic_head(quantize: str, device: str, cpu: CpuInfo) -> tuple[int, 
     return 0, f"LM head int8 weight-only: the CPU's vector capability is {cpu.capability}, below fbgemm's AVX2"
 
 
+Q4_KERNEL_ON = "int4 layers in the float32 int4 kernel (AVX2, built at start-up)"  # choose_q4_kernel's yes
+
+
 def choose_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo,
                      compiler: str | None) -> tuple[bool, str]:
     """(whether a float32 model's int4 layers run the float32 int4 kernel, model/q4_matmul.py;
@@ -105,7 +108,7 @@ def choose_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu
         return False, "int4 layers in torch's bfloat16 kernel: the float32 int4 kernel needs AVX2 and FMA"
     if compiler is None:
         return False, "int4 layers in torch's bfloat16 kernel: no C++ compiler ($CXX, g++) to build the float32 one"
-    return True, "int4 layers in the float32 int4 kernel (AVX2, built at start-up)"
+    return True, Q4_KERNEL_ON
 
 
 def choose_onednn_weights(dtype: str, device: str) -> bool:
