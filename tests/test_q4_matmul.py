@@ -169,6 +169,23 @@ def test_an_engine_serving_float32_int4_runs_the_kernel_says_so_and_gives_its_to
     assert tokens == expected
 
 
+@pytest.mark.skipif(not {"avx2", "fma"} <= detect().flags, reason="the kernel is chosen on CPUs with AVX2 and FMA only")
+def test_a_kernel_that_fails_to_build_leaves_torchs_serving_and_says_why(tmp_path: Path) -> None:
+    # `false` as the compiler: found on the PATH, exits 1 (a library keyed on it cannot be in the cache)
+    with EngineProcess("--model", "tiny", "--dtype", "float32", "--quantize", "int4", "--max-context", "64",
+                       env={"CXX": "false", "ENGINE_COMPILE_CACHE": str(tmp_path)}) as engine:
+        with grpc.insecure_channel(engine.address) as channel:
+            stub = engine_pb2_grpc.EngineServiceStub(channel)
+            info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
+            request = pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=[5, 6, 7]), max_new_tokens=4, ignore_eos=True)
+            assert sum(len(m.token_ids) for m in stub.Decode(request, timeout=60)) == 4
+        [failed] = engine.events_named("q4_kernel_failed")
+    assert info.precision_reason.endswith(
+        "int4 layers in torch's bfloat16 kernel: the float32 one failed to build (RuntimeError)")
+    assert failed["error_type"] == "RuntimeError" and "exited 1 building q4_matmul.cpp" in failed["error"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def avx2(flags: str) -> CpuInfo:
     return CpuInfo(model_name="AMD EPYC", capability="AVX2", flags=frozenset(flags.split()), onednn_max_isa="")
 
