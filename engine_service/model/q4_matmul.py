@@ -43,7 +43,8 @@ def library_path(cache: Path, compiler: str) -> Path:
 
 def _compile(compiler: str, target: Path) -> None:
     """Compile SOURCE into `target`, by way of a temporary file in its directory (a reader never
-    sees half a library). Raises RuntimeError with the compiler's output when it fails."""
+    sees half a library). Raises RuntimeError with the compiler's output when it fails or takes
+    over 10 minutes."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".partial")
     os.close(fd)
@@ -52,7 +53,10 @@ def _compile(compiler: str, target: Path) -> None:
                *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", partial,
                *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+        except subprocess.TimeoutExpired as err:
+            raise RuntimeError(f"{compiler} did not finish building {SOURCE.name} in {err.timeout:.0f} s") from err
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} exited {done.returncode} building {SOURCE.name}: {done.stderr[-2000:]}")
         os.replace(partial, target)
