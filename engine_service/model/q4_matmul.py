@@ -82,11 +82,6 @@ def load(compiler: str, cache: Path) -> Path:
     return target
 
 
-def available() -> bool:
-    """Whether the library is loaded in this process."""
-    return _loaded is not None
-
-
 def _matmul_shape(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[0])
 

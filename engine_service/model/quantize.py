@@ -75,7 +75,7 @@ DYNAMIC_HEAD_MAX_ROWS = 32
 INT8_BITS = (8, 7)  # an int8 copy's value bits: 7 for the dynamic head on plain AVX2 (above), else 8
 # rows up to which a float32 model's weight-only int8 head beats its float32 weights (the docstring's figures)
 FLOAT32_HEAD_MAX_ROWS = 32
-INT4_GROUP = 32
+INT4_GROUP = q4_matmul.BLOCK  # Q4_1's block of 32 inputs, the group of both int4 kernels
 
 
 def through_rows(x: torch.Tensor, kernel: torch.dtype, mm: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
