@@ -2,10 +2,11 @@
 // engine_service/model/q4_matmul.py builds this file at run time and says why it is there.
 //
 // A weight row of K inputs is K / 32 blocks; block b of row n holds 16 bytes, byte j carrying value
-// j in its low nibble and value j + 16 in its high one (GGUF's order), and w = q * scale + low. So
-// each block's 32 values are widened to float32 in registers, scaled and offset there (the float32
-// model's dequantized weights, never written out), and multiplied by x. Each weight row is read from memory once for every row of x (up to ROW_TILE at a time,
-// the rest from L1 while it is there), the output rows split between torch's threads.
+// j in its low nibble and value j + 16 in its high one (GGUF's order), and w = q * scale + low.
+// Each block's 32 values are widened to float32 in registers, scaled and offset there (the float32
+// model's dequantized weights, never written out) and multiplied by up to ROW_TILE rows of x; a
+// weight row is read from memory once a call (from L1 for each further tile of rows), and the
+// output rows are split between torch's threads.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,7 +17,7 @@
 namespace {
 
 constexpr int64_t BLOCK = 32;
-constexpr int64_t ROW_TILE = 8;  // rows of x a pass keeps in registers: 8 sums + 4 values + 2 spare
+constexpr int64_t ROW_TILE = 8;  // rows of x a pass keeps in registers: 8 sums, 4 weight vectors, 1 load
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
