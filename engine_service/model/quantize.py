@@ -255,8 +255,8 @@ def quantize_model(projections: Sequence[Projection], method: str, max_rows: int
     with torch.no_grad():
         for packed in layers:
             if q4_kernel and method == "int4" and packed.weight.dtype == torch.float32:  # type: ignore[union-attr]
-                packed.quantized = quantize_q4(packed.weight, FLOAT32_INT4_MAX_ROWS if max_rows is None  # type: ignore[arg-type]
-                                               else max_rows)
+                packed.quantized = quantize_q4(packed.weight,  # type: ignore[arg-type]
+                                               layer_max_rows(method, torch.float32) if max_rows is None else max_rows)
                 continue
             packed.quantized = layer_quantizer(packed.weight,  # type: ignore[arg-type]
                                                layer_max_rows(method, packed.weight.dtype) if max_rows is None  # type: ignore[union-attr]
