@@ -77,11 +77,11 @@ from bench_client.prompts import make_prompt
 from bench_client.rpc import EngineClient
 from bench_client.server_api import DecodeSpec, ServerInfo
 from engine_service.machine.cpu import detect
-from engine_service.machine.precision import Q4_KERNEL_ON, choose_dynamic_head
+from engine_service.machine.precision import Q4_INT16_KERNEL_ON, Q4_KERNEL_ON, choose_dynamic_head
 from engine_service.model.llama import LlamaForCausalLM, Packed, RMSNorm
 from engine_service.model.loader import load_model
 from engine_service.model.presets import DEFAULT_MODEL
-from engine_service.model.quantize import DynamicInt8Weight, Int4Weight, Int8Weight, Q4Weight
+from engine_service.model.quantize import DynamicInt8Weight, Int4Weight, Int8Weight, Q4Int16Weight, Q4Weight
 from engine_service.runtime.build import DTYPES
 from engine_service.runtime.model_runner import ModelRunner
 
@@ -170,6 +170,9 @@ def _projection_read(packed: Packed) -> tuple[list[torch.Tensor], int, str]:
     if isinstance(q, Q4Weight) and q.max_rows >= 1:
         tensors = [q.q, q.scales, q.lows, *bias]
         return tensors, _nbytes(tensors), "int4 + float32 scales/lows (the float32 int4 kernel)"
+    if isinstance(q, Q4Int16Weight) and q.max_rows >= 1:
+        tensors = [q.q, q.scales, q.lows, *bias]
+        return tensors, _nbytes(tensors), "int4 + float32 scales/lows (the int16 int4 kernel)"
     if isinstance(q, Int8Weight) and q.max_rows >= 1:
         tensors = [q.weight, q.scales, *bias]
         return tensors, _nbytes(tensors), f"int8 + {_dtype(q.scales)} scales"
@@ -234,9 +237,11 @@ def count_bytes(model_spec: str, info: ServerInfo, context: int) -> StepBytes:
         raise RooflineError(f"{step}: the engine serves {info.model!r}, the model here is {loaded.name!r} "
                             f"(a --model inside --engine-args? use --model)")
     dynamic_head_bits, _ = choose_dynamic_head(info.quantization, "cpu", detect())  # as the engine chose on this machine
-    # the float32 int4 kernel's copies where the engine says it built them (their scales are float32)
+    # the engine's int4 kernels' copies where it says it built them (their scales are float32)
+    int4_kernel = ("float32" if Q4_KERNEL_ON in info.precision_reason else
+                   "int16" if Q4_INT16_KERNEL_ON in info.precision_reason else "torch")
     runner = ModelRunner(loaded.model, 1, max(context, 1), device, dtype, info.quantization, trace_decode=False,
-                         dynamic_head_bits=dynamic_head_bits, q4_kernel=Q4_KERNEL_ON in info.precision_reason)
+                         dynamic_head_bits=dynamic_head_bits, int4_kernel=int4_kernel)
     return decode_step_bytes(loaded.model, runner.cache.bytes_per_token(), context)
 
 

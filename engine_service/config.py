@@ -43,7 +43,7 @@ class EngineConfig:
     speculative_tokens: int = 6  # draft tokens per step and row with --speculative ngram
     trace_decode: bool = True  # the decode step through TorchScript traces (engine_service/model/traced_decode.py)
     compile_decode: str = "auto"  # auto: one-row steps through AOTInductor where precision.py allows it, or off
-    int4_kernel: str = "auto"  # auto: a float32 model's int4 layers in model/q4_matmul.py where precision.py allows it, or torch
+    int4_kernel: str = "auto"  # auto: the int4 layers in model/q4_matmul.py's kernels where precision.py allows it, or torch
 
     def __post_init__(self) -> None:
         _positive("max_batch", self.max_batch)

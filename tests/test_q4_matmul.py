@@ -104,13 +104,13 @@ def test_the_packaged_files_layers_come_back_as_the_files_own_values(kernel: Pat
 def test_quantize_model_gives_a_float32_models_layers_q4_copies_and_leaves_the_head_int8() -> None:
     model = load_model("tiny", CPU, torch.float32).model
     model.pack_projections()
-    quantize_model(model.projections(), "int4", q4_kernel=True)
+    quantize_model(model.projections(), "int4", int4_kernel="float32")
     *layers, head = model.projections()
     assert all(isinstance(p.quantized, Q4Weight) and p.quantized.max_rows == 24 for p in layers)
     assert isinstance(head.quantized, Int8Weight)
     bf16 = load_model("tiny", CPU, torch.bfloat16).model
     bf16.pack_projections()
-    quantize_model(bf16.projections(), "int4", q4_kernel=True)  # not float32: torch's kernel stays
+    quantize_model(bf16.projections(), "int4", int4_kernel="float32")  # not float32: torch's kernel stays
     assert all(isinstance(p.quantized, Int4Weight) for p in bf16.projections()[:-1])
 
 
@@ -121,7 +121,7 @@ def test_a_float32_models_traced_steps_through_the_kernel_pick_the_float32_layer
     runs = {}
     for q4 in (True, False):
         loaded = load_model("smollm2", CPU, torch.float32)
-        runner = ModelRunner(loaded.model, 2, 64, CPU, torch.float32, "int4", trace_decode=q4, q4_kernel=True)
+        runner = ModelRunner(loaded.model, 2, 64, CPU, torch.float32, "int4", trace_decode=q4, int4_kernel="float32")
         layers = loaded.model.projections()[:-1]
         assert all(isinstance(p.quantized, Q4Weight) for p in layers)
         if not q4:
@@ -152,7 +152,7 @@ def test_an_engine_serving_float32_int4_runs_the_kernel_says_so_and_gives_its_to
         model.pack_projections()
         model.setup_rope(64, CPU)
         quantize_model(model.projections(), "int4", dynamic_head_bits=choose_dynamic_head("int4", "cpu", detect())[0],
-                       q4_kernel=True)
+                       int4_kernel="float32")
         assert all(isinstance(p.quantized, Q4Weight) for p in model.projections()[:-1])
         expected = engine_greedy(model, [prompt], 24, CPU)[0]
         with grpc.insecure_channel(engine.address) as channel:
@@ -192,22 +192,25 @@ def avx2(flags: str) -> CpuInfo:
 
 @pytest.mark.parametrize(("requested", "quantize", "dtype", "device", "flags", "compiler", "answer"), [
     ("auto", "int4", "float32", "cpu", "avx2 fma", "/usr/bin/g++",
-     (True, "int4 layers in the float32 int4 kernel (AVX2, built at start-up)")),
+     ("float32", "int4 layers in the float32 int4 kernel (AVX2, built at start-up)")),
     ("torch", "int4", "float32", "cpu", "avx2 fma", "/usr/bin/g++",
-     (False, "int4 layers in torch's bfloat16 kernel: --int4-kernel torch")),
+     ("torch", "int4 layers in torch's bfloat16 kernel: --int4-kernel torch")),
     ("auto", "int4", "float32", "cpu", "avx2", "/usr/bin/g++",
-     (False, "int4 layers in torch's bfloat16 kernel: the float32 int4 kernel needs AVX2 and FMA")),
+     ("torch", "int4 layers in torch's bfloat16 kernel: the float32 int4 kernel needs AVX2 and FMA")),
     ("auto", "int4", "float32", "cpu", "avx2 fma", None,
-     (False, "int4 layers in torch's bfloat16 kernel: no C++ compiler ($CXX, g++) to build the float32 one")),
-    ("auto", "int4", "bfloat16", "cpu", "avx2 fma", "/usr/bin/g++", (False, "")),
-    ("torch", "int4", "bfloat16", "cpu", "avx2 fma", "/usr/bin/g++", (False, "")),
-    ("auto", "int8", "float32", "cpu", "avx2 fma", "/usr/bin/g++", (False, "")),
-    ("auto", "none", "float32", "cpu", "avx2 fma", "/usr/bin/g++", (False, "")),
-    ("auto", "int4", "float32", "cuda", "avx2 fma", "/usr/bin/g++", (False, "")),
+     ("torch", "int4 layers in torch's bfloat16 kernel: no C++ compiler ($CXX, g++) to build the float32 one")),
+    ("auto", "int4", "bfloat16", "cpu", "avx2 fma", "/usr/bin/g++",
+     ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
+    ("torch", "int4", "bfloat16", "cpu", "avx2 fma", "/usr/bin/g++",
+     ("torch", "int4 layers in torch's int4 kernel: --int4-kernel torch")),
+    ("auto", "int4", "float16", "cpu", "avx2 fma", "/usr/bin/g++", ("torch", "")),
+    ("auto", "int8", "float32", "cpu", "avx2 fma", "/usr/bin/g++", ("torch", "")),
+    ("auto", "none", "float32", "cpu", "avx2 fma", "/usr/bin/g++", ("torch", "")),
+    ("auto", "int4", "float32", "cuda", "avx2 fma", "/usr/bin/g++", ("torch", "")),
 ])
 def test_the_kernel_serves_a_float32_models_int4_layers_where_avx2_fma_and_a_compiler_are(
         requested: str, quantize: str, dtype: str, device: str, flags: str, compiler: str | None,
-        answer: tuple[bool, str]) -> None:
+        answer: tuple[str, str]) -> None:
     assert choose_q4_kernel(requested, quantize, dtype, device, avx2(flags), compiler) == answer
 
 
@@ -218,7 +221,7 @@ def test_an_unknown_int4_kernel_is_refused_by_name() -> None:
 
 def test_a_compiler_that_fails_raises_with_its_output(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"exited 1 building q4_matmul.cpp"):
-        q4_matmul._compile("false", tmp_path / "x.so")
+        q4_matmul._compile("false", tmp_path / "x.so", q4_matmul.KERNELS["float32"])
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
 
 
@@ -229,7 +232,7 @@ def test_the_compiled_one_row_step_calls_the_kernel_and_follows_the_trace(
     monkeypatch.setenv("ENGINE_COMPILE_CACHE", str(tmp_path))
     model = load_model("tiny", CPU, torch.float32).model
     runner = ModelRunner(model, 2, 64, CPU, torch.float32, "int4", trace_decode=True, compile_decode=True,
-                         q4_kernel=True)
+                         int4_kernel="float32")
     assert runner.compiled_decode == "on"
     assert all(isinstance(p.quantized, Q4Weight) for p in model.projections()[:-1])
     picks = {}

@@ -92,23 +92,34 @@ def choose_dynamic_head(quantize: str, device: str, cpu: CpuInfo) -> tuple[int, 
     return 0, f"LM head int8 weight-only: the CPU's vector capability is {cpu.capability}, below fbgemm's AVX2"
 
 
-Q4_KERNEL_ON = "int4 layers in the float32 int4 kernel (AVX2, built at start-up)"  # choose_q4_kernel's yes
+Q4_KERNEL_ON = "int4 layers in the float32 int4 kernel (AVX2, built at start-up)"  # choose_q4_kernel's float32
+# choose_q4_kernel's int16
+Q4_INT16_KERNEL_ON = "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up)"
+INT16_KERNEL_FLAGS = frozenset({"avx512f", "avx512_vnni", "avx512_bf16"})
 
 
 def choose_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo,
-                     compiler: str | None) -> tuple[bool, str]:
-    """(whether a float32 model's int4 layers run the float32 int4 kernel, model/q4_matmul.py;
-    reason, "" where the question does not arise) for `--int4-kernel requested` (auto or torch) of
-    a model in `dtype` served with `quantize`."""
-    if quantize != "int4" or dtype != "float32" or not device.startswith("cpu"):
-        return False, ""
+                     compiler: str | None) -> tuple[str, str]:
+    """(who multiplies the int4 layers, quantize.INT4_KERNELS: torch, float32 or int16, the engine's
+    kernels in model/q4_matmul.py; reason, "" where the question does not arise) for `--int4-kernel
+    requested` (auto or torch) of a model in `dtype` served with `quantize`: a float32 model's layers
+    in the float32 kernel on a CPU with AVX2 and FMA, a bfloat16 model's in the int16 one on a CPU
+    with AVX-512 VNNI and BF16 (torch's own dispatch at AVX-512), where a compiler can build them."""
+    if quantize != "int4" or dtype not in ("float32", "bfloat16") or not device.startswith("cpu"):
+        return "torch", ""
+    if dtype == "float32":
+        kernel, needs, needed, on = "float32", {"avx2", "fma"}, "AVX2 and FMA", Q4_KERNEL_ON
+        mine, theirs = "the float32", "torch's bfloat16 kernel"
+    else:
+        kernel, needs, needed, on = "int16", INT16_KERNEL_FLAGS, "AVX-512 VNNI and BF16", Q4_INT16_KERNEL_ON
+        mine, theirs = "the int16", "torch's int4 kernel"
     if requested == "torch":
-        return False, "int4 layers in torch's bfloat16 kernel: --int4-kernel torch"
-    if not {"avx2", "fma"} <= cpu.flags:
-        return False, "int4 layers in torch's bfloat16 kernel: the float32 int4 kernel needs AVX2 and FMA"
+        return "torch", f"int4 layers in {theirs}: --int4-kernel torch"
+    if not needs <= cpu.flags or (kernel == "int16" and not cpu.capability.startswith("AVX512")):
+        return "torch", f"int4 layers in {theirs}: {mine} int4 kernel needs {needed}"
     if compiler is None:
-        return False, "int4 layers in torch's bfloat16 kernel: no C++ compiler ($CXX, g++) to build the float32 one"
-    return True, Q4_KERNEL_ON
+        return "torch", f"int4 layers in {theirs}: no C++ compiler ($CXX, g++) to build {mine} one"
+    return kernel, on
 
 
 def choose_onednn_weights(dtype: str, device: str) -> bool:

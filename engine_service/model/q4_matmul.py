@@ -1,18 +1,26 @@
-"""The float32 int4 kernel: float32 activations times 4-bit weights in Q4_1's blocks (`q4_matmul.cpp`,
-AVX2 and FMA), built at run time with the C++ compiler the compiled step uses, for a float32 model's
-int4 copies (`quantize.Q4Weight`; machine/precision.choose_q4_kernel decides where).
+"""The engine's int4 kernels: activations times 4-bit weights in Q4_1's groups, built at run time
+with the C++ compiler the compiled step uses, for a model's int4 copies where torch's kernel is slow
+(machine/precision.choose_q4_kernel decides where):
 
-Why: torch's int4 kernel (`_weight_int4pack_mm_for_cpu`) computes in bfloat16, so a float32 model's
-calls are cast to bfloat16 and back, and where the CPU has no bfloat16 instructions (the AVX2 class,
-where `auto` serves float32) the kernel emulates them. This one widens the 4-bit values to float32
-in registers and multiplies there: the file's Q4_1 values exactly, no casts. Measured on an AMD EPYC
-of family 26 model 2 with torch's dispatch held to AVX2 (`ATEN_CPU_CAPABILITY=avx2`, the AVX2
-class's kernels), SmolLM2's 120 layer projections of 30 distinct layers (53 MB, read from memory),
-2 threads, ms a pass: see `docs/decode-speed.md`, "A float32 int4 kernel".
+- `float32` (`q4_matmul.cpp`, AVX2 and FMA, `quantize.Q4Weight`): a float32 model's. Torch's int4
+  kernel (`_weight_int4pack_mm_for_cpu`) computes in bfloat16, so a float32 model's calls are cast
+  to bfloat16 and back, and where the CPU has no bfloat16 instructions (the AVX2 class, where
+  `auto` serves float32) the kernel emulates them. This one widens the 4-bit values to float32 in
+  registers and multiplies there: the file's Q4_1 values exactly, no casts. Measured on an AMD
+  EPYC of family 26 model 2 with torch's dispatch held to AVX2 (`ATEN_CPU_CAPABILITY=avx2`),
+  SmolLM2's 120 layer projections: `docs/decode-speed.md`, "A float32 int4 kernel".
+- `int16` (`q4_int16.cpp`, AVX-512 VNNI and BF16, `quantize.Q4Int16Weight`): a bfloat16 model's.
+  The call's rows are quantized to 16 bits per group of 32 inputs (far finer than bfloat16's own 8
+  bits of precision), and 16-bit integer dot products (`vpdpwssd`) multiply them by the 4-bit
+  values, 16 output rows a vector. Torch's kernel widens every value to float32 and is bound by
+  that arithmetic at few rows: SmolLM2's 120 layer projections (30 distinct layers, 53 MB, read
+  from memory, 2 threads, AMD EPYC of family 25 model 17) took `docs/decode-speed.md`'s figures
+  ("A 16-bit integer int4 kernel"), where 8-bit activations (llama.cpp's Q8_0 arithmetic), no
+  faster where memory binds, are also measured and why they are not kept.
 
-The library is compiled once (about 10 s) into the compile cache (compiled_decode.cache_dir, a
-`q4_matmul-<digest>.so` keyed on the source, torch's version and the compiler) and loaded from
-there after; `load` says why when it cannot be, and the bfloat16 kernel serves then.
+A library is compiled once (about 10 s) into the compile cache (compiled_decode.cache_dir, a
+`<name>-<digest>.so` keyed on the source, torch's version and the compiler) and loaded from there
+after; `load` says why when it cannot be, and torch's kernel serves then.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -29,61 +38,81 @@ from torch.utils import cpp_extension
 
 log = structlog.get_logger()
 
-SOURCE = Path(__file__).with_name("q4_matmul.cpp")
-BLOCK = 32  # inputs a block: a scale, a low and 16 bytes of 4-bit values
-_loaded: Path | None = None
+BLOCK = 32  # inputs a block (a group): a scale, a low and 16 bytes of 4-bit values
+TILE = 16  # output rows the int16 kernel's vectors hold
 
 
-def library_path(cache: Path, compiler: str) -> Path:
-    """Where the library built from this source by `compiler` for this torch is kept."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(f"{torch.__version__} {compiler} {torch._C._GLIBCXX_USE_CXX11_ABI}".encode())
-    return cache / f"q4_matmul-{digest.hexdigest()[:32]}.so"
+@dataclass(frozen=True)
+class Kernel:
+    name: str  # what --int4-kernel's choice and the compiled step's key call it
+    source: Path
+    flags: tuple[str, ...]  # the instruction sets it is compiled for
+    op: str  # the operator it registers
 
 
-def _compile(compiler: str, target: Path) -> None:
-    """Compile SOURCE into `target`, by way of a temporary file in its directory (a reader never
+KERNELS = {
+    "float32": Kernel("float32", Path(__file__).with_name("q4_matmul.cpp"), ("-mavx2", "-mfma"), "engine_q4::matmul"),
+    "int16": Kernel("int16", Path(__file__).with_name("q4_int16.cpp"),
+                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16"), "engine_q4_int16::matmul"),
+}
+_loaded: dict[str, Path] = {}
+
+
+def library_path(cache: Path, compiler: str, kernel: Kernel = KERNELS["float32"]) -> Path:
+    """Where the library built from `kernel`'s source by `compiler` for this torch is kept."""
+    digest = hashlib.sha256(kernel.source.read_bytes())
+    digest.update(f"{torch.__version__} {compiler} {torch._C._GLIBCXX_USE_CXX11_ABI} {kernel.flags}".encode())
+    return cache / f"{kernel.source.stem}-{digest.hexdigest()[:32]}.so"
+
+
+def _compile(compiler: str, target: Path, kernel: Kernel) -> None:
+    """Compile `kernel`'s source into `target`, by way of a temporary file in its directory (a reader never
     sees half a library). Raises RuntimeError with the compiler's output when it fails or takes
     over 10 minutes."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".partial")
     os.close(fd)
-    command = [compiler, "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
+    source = kernel.source
+    command = [compiler, "-O3", *kernel.flags, "-fopenmp", "-shared", "-fPIC", "-std=c++20",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-               *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", partial,
+               *(f"-I{p}" for p in cpp_extension.include_paths()), str(source), "-o", partial,
                *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
     try:
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
         except subprocess.TimeoutExpired as err:
-            raise RuntimeError(f"{compiler} did not finish building {SOURCE.name} in {err.timeout:.0f} s") from err
+            raise RuntimeError(f"{compiler} did not finish building {source.name} in {err.timeout:.0f} s") from err
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} exited {done.returncode} building {SOURCE.name}: {done.stderr[-2000:]}")
+            raise RuntimeError(f"{compiler} exited {done.returncode} building {source.name}: {done.stderr[-2000:]}")
         os.replace(partial, target)
     finally:
         Path(partial).unlink(missing_ok=True)
 
 
-def load(compiler: str, cache: Path) -> Path:
-    """Build the library if it is not in `cache`, and load it (once a process): then
-    `torch.ops.engine_q4.matmul` runs. Raises RuntimeError (the compiler's failure, or torch's
-    refusal to load) or OSError (the cache directory's)."""
-    global _loaded
-    if _loaded is not None:
-        return _loaded
-    target = library_path(cache, compiler)
+def load(compiler: str, cache: Path, kernel: Kernel = KERNELS["float32"]) -> Path:
+    """Build `kernel`'s library if it is not in `cache`, and load it (once a process): then its
+    operator (`torch.ops.engine_q4.matmul`, `torch.ops.engine_q4_int16.matmul`) runs. Raises
+    RuntimeError (the compiler's failure, or torch's refusal to load) or OSError (the cache
+    directory's)."""
+    if kernel.name in _loaded:
+        return _loaded[kernel.name]
+    target = library_path(cache, compiler, kernel)
     if not target.exists():
-        log.info("q4_kernel_compile_started", library=str(target))
-        _compile(compiler, target)
+        log.info("q4_kernel_compile_started", kernel=kernel.name, library=str(target))
+        _compile(compiler, target, kernel)
     torch.ops.load_library(str(target))
     # what torch.export (the compiled step) needs of the op: its output's shape and dtype
-    torch.library.register_fake("engine_q4::matmul")(_matmul_shape)
-    _loaded = target
+    torch.library.register_fake(kernel.op)(_matmul_shape if kernel.name == "float32" else _int16_matmul_shape)
+    _loaded[kernel.name] = target
     return target
 
 
 def _matmul_shape(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], q.shape[0])
+
+
+def _int16_matmul_shape(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], q.shape[0] * TILE)
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
@@ -92,3 +121,22 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     blocks = q.to(torch.uint8).view(n, k // BLOCK, BLOCK)
     return (blocks[..., :BLOCK // 2] | (blocks[..., BLOCK // 2:] << 4)).reshape(n, k // 2).contiguous()
+
+
+def pack_int16(q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) values 0..15 and (N, K / 32) scales and lows -> the int16 kernel's layout (q4_int16.cpp):
+    values (N / 16, K / 8, 64) uint8, the 64 bytes for inputs k..k+7 of a tile of 16 rows being 32
+    little-endian 16-bit words, word 2 l + p holding row l's values k + 2 n + p in its nibbles
+    n = 0..3; scales and lows (N / 16, K / 32, 16) float32, a group's 16 rows side by side. N must be
+    a multiple of 16 and K of 32."""
+    n, k = q.shape
+    if n % TILE or k % BLOCK:
+        raise ValueError(f"the int16 int4 kernel needs N a multiple of {TILE} and K of {BLOCK}, got a {n}x{k} weight")
+    tiles, groups = n // TILE, k // BLOCK
+    nibbles = q.to(torch.int32).view(tiles, TILE, k // 8, 4, 2).permute(0, 2, 1, 4, 3)  # tile, octet, row, p, n
+    words = nibbles[..., 0] | (nibbles[..., 1] << 4) | (nibbles[..., 2] << 8) | (nibbles[..., 3] << 12)
+    values = torch.stack([words & 0xFF, words >> 8], dim=-1).to(torch.uint8).reshape(tiles, k // 8, 64).contiguous()
+
+    def side_by_side(v: torch.Tensor) -> torch.Tensor:
+        return v.float().view(tiles, TILE, groups).transpose(1, 2).contiguous()
+    return values, side_by_side(scales), side_by_side(lows)

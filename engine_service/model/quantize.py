@@ -71,6 +71,8 @@ from engine_service.model import q4_matmul
 MAX_ROWS = {"int8": 4, "int4": 8}  # rows up to which the quantized kernel is faster (above)
 # rows up to which a float32 model's int4 copies beat its float32 weights (the docstring's figures)
 FLOAT32_INT4_MAX_ROWS = 24
+# rows up to which a bfloat16 model's int4 copies in the int16 kernel beat its bfloat16 weights
+INT16_KERNEL_INT4_MAX_ROWS = 8
 DYNAMIC_HEAD_MAX_ROWS = 32
 INT8_BITS = (8, 7)  # an int8 copy's value bits: 7 for the dynamic head on plain AVX2 (above), else 8
 # rows up to which a float32 model's weight-only int8 head beats its float32 weights (the docstring's figures)
@@ -147,7 +149,24 @@ class DynamicInt8Weight(torch.nn.Module):
             rows, self.packed, False))  # 8-bit activations, not 7
 
 
-QuantizedWeight = Int8Weight | Int4Weight | Q4Weight | DynamicInt8Weight
+@dataclass(frozen=True)
+class Q4Int16Weight:
+    """A bfloat16 model's int4 copy for the int16 int4 kernel (q4_matmul.py, q4_int16.cpp): the same
+    groups, laid out for 16-bit dot products; bfloat16 in and out, the rows quantized to 16 bits a
+    group of 32 inside the call."""
+
+    q: torch.Tensor  # (N / 16, K / 8, 64) uint8 (q4_matmul.pack_int16)
+    scales: torch.Tensor  # (N / 16, K / 32, 16) float32
+    lows: torch.Tensor  # (N / 16, K / 32, 16) float32: w = q * scale + low
+    max_rows: int
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return through_rows(x, torch.bfloat16, lambda rows: torch.ops.engine_q4_int16.matmul(
+            rows, self.q, self.scales, self.lows))
+
+
+QuantizedWeight = Int8Weight | Int4Weight | Q4Weight | Q4Int16Weight | DynamicInt8Weight
+INT4_KERNELS = ("torch", "float32", "int16")  # who multiplies the int4 copies: quantize_model
 
 
 def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -223,6 +242,12 @@ def quantize_q4(weight: torch.Tensor, max_rows: int = FLOAT32_INT4_MAX_ROWS) -> 
     return Q4Weight(q4_matmul.pack(q.view(weight.shape)), scale.contiguous(), low.contiguous(), max_rows)
 
 
+def quantize_q4_int16(weight: torch.Tensor, max_rows: int = INT16_KERNEL_INT4_MAX_ROWS) -> Q4Int16Weight:
+    """`quantize_int4`'s groups for the int16 int4 kernel (q4_matmul.py), scales and lows in float32."""
+    q, scale, low = int4_groups(weight)
+    return Q4Int16Weight(*q4_matmul.pack_int16(q.view(weight.shape), scale, low), max_rows)
+
+
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A (N, K) weight's asymmetric 4-bit groups of 32 along K: values (N, K / 32, 32) 0..15 and
     float32 scales and lows (N, K / 32), w ~ q * scale + low; a constant group gets scale 0."""
@@ -238,30 +263,39 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def quantize_model(projections: Sequence[Projection], method: str, max_rows: int | None = None,
-                   dynamic_head_bits: int = 0, q4_kernel: bool = False) -> None:
+                   dynamic_head_bits: int = 0, int4_kernel: str = "torch") -> None:
     """Give every projection of a model, the LM head last (`LlamaForCausalLM.projections()`, packed:
     call after `pack_projections`), its quantized copy. With int4 the LM head gets int8: embeddings
     are often kept at 8 bits (the packaged SmolLM2's are Q8_0, and 4 bits there moved top-1 on 13%
     of positions of a text against 3% for int8); with `dynamic_head_bits` (8 or 7; 0 for none) it is
     multiplied with 8-bit activations, its weights in that many bits (`DynamicInt8Weight`, where
-    fbgemm runs: precision.py). With `q4_kernel` (the float32 int4 kernel loaded: q4_matmul.py) a
-    float32 model's int4 layers get `Q4Weight`s."""
+    fbgemm runs: precision.py). `int4_kernel` (INT4_KERNELS) names who multiplies the int4 layers:
+    torch's kernel, or one of the engine's (q4_matmul.py, its library loaded): `float32` gives a
+    float32 model's layers `Q4Weight`s, `int16` a bfloat16 model's `Q4Int16Weight`s (those whose
+    output size is a multiple of 16; any other keeps torch's kernel)."""
     if method not in MAX_ROWS:
         raise ValueError(f"quantize method must be int8 or int4, got {method!r}")
     if dynamic_head_bits not in (0, *INT8_BITS) or isinstance(dynamic_head_bits, bool):
         raise ValueError(f"dynamic_head_bits must be 0 (weight-only head), 8 or 7, got {dynamic_head_bits!r}")
+    if int4_kernel not in INT4_KERNELS:
+        raise ValueError(f"int4_kernel must be one of {', '.join(INT4_KERNELS)}, got {int4_kernel!r}")
     *layers, head = projections
     layer_quantizer = quantize_int4 if method == "int4" else quantize_int8
     with torch.no_grad():
         for packed in layers:
-            if q4_kernel and method == "int4" and packed.weight.dtype == torch.float32:  # type: ignore[union-attr]
-                packed.quantized = quantize_q4(packed.weight,  # type: ignore[arg-type]
-                                               layer_max_rows(method, torch.float32) if max_rows is None else max_rows)
+            weight = packed.weight
+            assert weight is not None  # packed, not yet quantized
+            if method == "int4" and int4_kernel == "float32" and weight.dtype == torch.float32:
+                packed.quantized = quantize_q4(weight, layer_max_rows(method, torch.float32) if max_rows is None
+                                               else max_rows)
                 continue
-            packed.quantized = layer_quantizer(packed.weight,  # type: ignore[arg-type]
-                                               layer_max_rows(method, packed.weight.dtype) if max_rows is None  # type: ignore[union-attr]
-                                               else max_rows,
-                                               kernel_dtype(packed.weight.dtype))  # type: ignore[union-attr]
+            if (method == "int4" and int4_kernel == "int16" and weight.dtype == torch.bfloat16
+                    and weight.shape[0] % q4_matmul.TILE == 0):
+                packed.quantized = quantize_q4_int16(weight, INT16_KERNEL_INT4_MAX_ROWS if max_rows is None
+                                                    else max_rows)
+                continue
+            packed.quantized = layer_quantizer(weight, layer_max_rows(method, weight.dtype) if max_rows is None
+                                               else max_rows, kernel_dtype(weight.dtype))
         if dynamic_head_bits:
             head.quantized = quantize_dynamic_int8(head.weight, DYNAMIC_HEAD_MAX_ROWS if max_rows is None  # type: ignore[arg-type]
                                                    else max_rows, dynamic_head_bits)

@@ -65,7 +65,7 @@ async def build_engine(config: EngineConfig) -> Engine:
         loaded = await event_loop.run_in_executor(loader, load_model, cfg.model, device, dtype)
         quantize, quantize_reason = choose_quantize(cfg.quantize, cfg.device, loaded.weight_format)
         dynamic_head_bits, head_reason = choose_dynamic_head(quantize, cfg.device, cpu)
-        q4_kernel, q4_reason = await event_loop.run_in_executor(loader, _load_q4_kernel, cfg.int4_kernel, quantize,
+        int4_kernel, q4_reason = await event_loop.run_in_executor(loader, _load_q4_kernel, cfg.int4_kernel, quantize,
                                                                 dtype_name, cfg.device, cpu)
         reasons = [dtype_reason, quantize_reason, *(r for r in (head_reason, q4_reason) if r)]
         precision = Precision(dtype_name, quantize, "; ".join(reasons))
@@ -73,7 +73,7 @@ async def build_engine(config: EngineConfig) -> Engine:
                                                            find_cpp_compiler())
         runner = await event_loop.run_in_executor(
             loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize,
-            cfg.trace_decode, dynamic_head_bits, choose_onednn_weights(dtype_name, cfg.device), compiled, q4_kernel)
+            cfg.trace_decode, dynamic_head_bits, choose_onednn_weights(dtype_name, cfg.device), compiled, int4_kernel)
     finally:
         loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
     limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)
@@ -101,21 +101,23 @@ async def build_engine(config: EngineConfig) -> Engine:
     return engine
 
 
-def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo) -> tuple[bool, str]:
-    """(whether the float32 int4 kernel serves, reason): choose_q4_kernel's answer, and where it
-    says yes, the library built or found in the compile cache and loaded (model/q4_matmul.py)."""
+def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo) -> tuple[str, str]:
+    """(who multiplies the int4 layers, reason): choose_q4_kernel's answer, and where it names one
+    of the engine's kernels, its library built or found in the compile cache and loaded
+    (model/q4_matmul.py)."""
     compiler = find_cpp_compiler()
-    chosen, reason = choose_q4_kernel(requested, quantize, dtype, device, cpu, compiler)
-    if not chosen or compiler is None:
-        return False, reason
+    kernel, reason = choose_q4_kernel(requested, quantize, dtype, device, cpu, compiler)
+    if kernel == "torch" or compiler is None:
+        return "torch", reason
     try:
-        q4_matmul.load(compiler, cache_dir())
+        q4_matmul.load(compiler, cache_dir(), q4_matmul.KERNELS[kernel])
     except (RuntimeError, OSError) as err:
         # the compiler's failure, torch's refusal to load the library or the cache directory's:
-        # torch's bfloat16 int4 kernel serves, slower, and engine_ready's precision_reason says why
-        log.warning("q4_kernel_failed", error_type=type(err).__name__, error=str(err)[:2000])
-        return False, f"int4 layers in torch's bfloat16 kernel: the float32 one failed to build ({type(err).__name__})"
-    return True, reason
+        # torch's int4 kernel serves, slower, and engine_ready's precision_reason says why
+        log.warning("q4_kernel_failed", kernel=kernel, error_type=type(err).__name__, error=str(err)[:2000])
+        theirs = "torch's bfloat16 kernel" if kernel == "float32" else "torch's int4 kernel"
+        return "torch", f"int4 layers in {theirs}: the {kernel} one failed to build ({type(err).__name__})"
+    return kernel, reason
 
 
 def _engine_info(cfg: EngineConfig, loaded: LoadedModel, precision: Precision, device: torch.device,

@@ -37,7 +37,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, max_batch: int, max_context: int, device: torch.device,
                  dtype: torch.dtype, quantize: str = "none", trace_decode: bool = False,
                  dynamic_head_bits: int = 0, onednn_weights: bool = False, compile_decode: bool = False,
-                 q4_kernel: bool = False) -> None:
+                 int4_kernel: str = "torch") -> None:
         self.model = model
         self.device = device
         self.cache = KVCache(model.config, max_batch, max_context, dtype, device)
@@ -50,7 +50,8 @@ class ModelRunner:
             for packed in model.projections()[:-1]:
                 packed.pack_onednn()
         if quantize != "none":
-            quantize_model(model.projections(), quantize, dynamic_head_bits=dynamic_head_bits, q4_kernel=q4_kernel)
+            quantize_model(model.projections(), quantize, dynamic_head_bits=dynamic_head_bits,
+                           int4_kernel=int4_kernel)
         self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = partial(model.decode, cache=self.cache)
         if trace_decode:
             try:
@@ -61,8 +62,8 @@ class ModelRunner:
         self.compiled_decode = "on" if compile_decode else "off"
         if compile_decode:
             try:
-                # the float32 int4 kernel's copies are no module's tensors, so the setting keys them apart
-                setting = {"quantize": quantize, **({"int4_kernel": "float32"} if q4_kernel else {})}
+                # the engine's int4 kernels' copies are no module's tensors, so the setting keys them apart
+                setting = {"quantize": quantize, **({"int4_kernel": int4_kernel} if int4_kernel != "torch" else {})}
                 self._decode = CompiledDecode(model, self.cache, self._decode, cache_dir(), setting)
             except (RuntimeError, OSError) as err:
                 # export's and the C++ compiler's failures (torch raises them as RuntimeError), or

@@ -1,0 +1,245 @@
+"""The int16 int4 kernel (engine_service/model/q4_matmul.py, q4_int16.cpp): built with the machine's
+compiler where the CPU has AVX-512 VNNI and BF16, it multiplies bfloat16 rows by Q4_1 groups as the
+dequantized weights would (the rows quantized to 16 bits a group, the output rounded to bfloat16),
+at every row count its register tiles split into, refuses malformed operands by name, lays the
+4-bit values out as its dot products read them, serves a bfloat16 model's steps with the float32
+layers' greedy tokens, and is chosen only where it can run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from engine.v1 import engine_pb2 as pb
+from engine.v1 import engine_pb2_grpc
+from engine_service.machine.cpu import CpuInfo, detect
+from engine_service.machine.precision import INT16_KERNEL_FLAGS, choose_q4_kernel, find_cpp_compiler
+from engine_service.model import q4_matmul
+from engine_service.model.loader import load_model
+from engine_service.model.quantize import (
+    Int4Weight,
+    Int8Weight,
+    Q4Int16Weight,
+    int4_groups,
+    quantize_model,
+    quantize_q4_int16,
+)
+from engine_service.runtime.model_runner import ModelRunner
+from tests.engines import EngineProcess
+
+CPU = torch.device("cpu")
+needs_kernel = pytest.mark.skipif(
+    find_cpp_compiler() is None or not INT16_KERNEL_FLAGS <= detect().flags or not detect().capability.startswith("AVX512"),
+    reason="the int16 int4 kernel needs a C++ compiler and a CPU with AVX-512 VNNI and BF16")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    compiler = find_cpp_compiler()
+    assert compiler is not None
+    return q4_matmul.load(compiler, tmp_path_factory.mktemp("q4"), q4_matmul.KERNELS["int16"])
+
+
+def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    q, scale, low = int4_groups(weight)
+    return (q * scale[..., None] + low[..., None]).view(weight.shape)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 7, 8, 9, 17])
+@pytest.mark.parametrize(("n", "k"), [(16, 32), (48, 96), (208, 576)])
+def test_rows_times_q4_groups_are_the_dequantized_product_rounded_to_bfloat16(
+        kernel: Path, rows: int, n: int, k: int) -> None:
+    torch.manual_seed(rows * 1000 + n)
+    weight = torch.randn(n, k) * 0.05
+    x = torch.randn(rows, k).bfloat16()
+    x[:, :32] *= 40  # groups of very different ranges: each is quantized with its own scale
+    out = quantize_q4_int16(weight).matmul(x)
+    w = dequantized(weight).double()
+    reference = x.double() @ w.t()
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    # what the kernel may differ by: bfloat16's rounding of the output (2 ** -9 of it) and the rows'
+    # 16-bit quantization (half a step, a group's largest |x| / 32767, times each weight it meets);
+    # one 4-bit value off by one moves a sum by a group's scale times an x, far more
+    step = x.double().abs().view(rows, k // 32, 32).amax(-1).repeat_interleave(32, dim=1) / 32767
+    bound = reference.abs() * 2 ** -8 + (step / 2) @ w.abs().t() + 1e-6
+    assert bool(((out.double() - reference).abs() <= bound).all())
+
+
+@needs_kernel
+def test_a_model_shaped_call_of_more_dimensions_keeps_its_leading_ones(kernel: Path) -> None:
+    weight, x = torch.randn(64, 64), torch.randn(1, 3, 64).bfloat16()
+    out = quantize_q4_int16(weight).matmul(x)
+    assert out.shape == (1, 3, 64) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), (x.float() @ dequantized(weight).t()), rtol=2 ** -7, atol=2e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("operands", "message"), [
+    (lambda c: (torch.zeros(1, 64), c.q, c.scales, c.lows), "x must be (rows, K) bfloat16"),
+    (lambda c: (torch.zeros(64, dtype=torch.bfloat16), c.q, c.scales, c.lows), "x must be (rows, K) bfloat16"),
+    (lambda c: (torch.zeros(1, 48, dtype=torch.bfloat16), c.q, c.scales, c.lows), "K must be a multiple of 32, got 48"),
+    (lambda c: (torch.zeros(1, 96, dtype=torch.bfloat16), c.q, c.scales, c.lows),
+     "weights must be contiguous (N / 16, K / 8, 64) uint8 for K = 96"),
+    (lambda c: (torch.zeros(1, 64, dtype=torch.bfloat16), c.q.to(torch.int8), c.scales, c.lows), "weights must be contiguous"),
+    (lambda c: (torch.zeros(1, 64, dtype=torch.bfloat16), c.q, c.scales[:, :1].contiguous(), c.lows),
+     "scales and lows must be contiguous (N / 16, K / 32, 16) float32"),
+    (lambda c: (torch.zeros(1, 64, dtype=torch.bfloat16), c.q, c.scales, c.lows.double()), "scales and lows must be"),
+])
+def test_malformed_operands_are_refused_by_name(kernel: Path, operands, message: str) -> None:
+    copy = quantize_q4_int16(torch.randn(32, 64))
+    with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        torch.ops.engine_q4_int16.matmul(*operands(copy))
+
+
+def test_pack_int16_puts_a_rows_eight_inputs_in_two_words_of_four_nibbles() -> None:
+    # row l's value at input i is 16 * l + i (mod 16, so every nibble is told apart by its row and input)
+    n, k = 16, 32
+    q = (torch.arange(n)[:, None] * 3 + torch.arange(k)[None, :]).remainder(16)
+    scales, lows = torch.rand(n, k // 32), torch.rand(n, k // 32)
+    values, s, lo = q4_matmul.pack_int16(q, scales, lows)
+    assert values.shape == (1, k // 8, 64) and values.dtype == torch.uint8
+    words = values.view(1, k // 8, 32, 2).to(torch.int32)
+    words = words[..., 0] | (words[..., 1] << 8)  # little-endian 16-bit words
+    for octet in range(k // 8):
+        for row in range(n):
+            for p in range(2):
+                word = int(words[0, octet, 2 * row + p])
+                assert [(word >> (4 * i)) & 0xF for i in range(4)] == \
+                    [int(q[row, octet * 8 + 2 * i + p]) for i in range(4)]
+    assert s.shape == lo.shape == (1, 1, 16) and s.dtype == torch.float32
+    assert s[0, 0].tolist() == scales[:, 0].tolist() and lo[0, 0].tolist() == lows[:, 0].tolist()
+
+
+@pytest.mark.parametrize(("n", "k"), [(24, 32), (16, 40)])
+def test_pack_int16_refuses_a_shape_its_tiles_cannot_hold_by_name(n: int, k: int) -> None:
+    with pytest.raises(ValueError, match=f"N a multiple of 16 and K of 32, got a {n}x{k} weight"):
+        q4_matmul.pack_int16(torch.zeros(n, k, dtype=torch.int64), torch.zeros(n, 1), torch.zeros(n, 1))
+
+
+def test_quantize_model_gives_a_bfloat16_models_layers_int16_copies_and_leaves_the_head_int8() -> None:
+    model = load_model("tiny", CPU, torch.bfloat16).model
+    model.pack_projections()
+    quantize_model(model.projections(), "int4", int4_kernel="int16")
+    *layers, head = model.projections()
+    assert all(isinstance(p.quantized, Q4Int16Weight) and p.quantized.max_rows == 8 for p in layers)
+    assert isinstance(head.quantized, Int8Weight)
+    float32 = load_model("tiny", CPU, torch.float32).model
+    float32.pack_projections()
+    quantize_model(float32.projections(), "int4", int4_kernel="int16")  # not bfloat16: torch's kernel stays
+    assert all(isinstance(p.quantized, Int4Weight) for p in float32.projections()[:-1])
+
+
+def test_an_unknown_int4_kernel_name_is_refused_by_quantize_model() -> None:
+    model = load_model("tiny", CPU, torch.bfloat16).model
+    model.pack_projections()
+    with pytest.raises(ValueError, match="int4_kernel must be one of torch, float32, int16, got 'int8'"):
+        quantize_model(model.projections(), "int4", int4_kernel="int8")
+
+
+@needs_kernel
+def test_a_bfloat16_models_traced_steps_through_the_kernel_pick_the_float32_layers_tokens(kernel: Path) -> None:
+    # the packaged Q4_1 file: the kernel's copies hold its own values and scales in float32, and the
+    # rows' 16-bit quantization is far finer than bfloat16's, so its greedy tokens are the float32
+    # model's over this prompt (torch's int4 kernel rounds the scales to bfloat16)
+    prompt = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
+    tokens = {}
+    for dtype, int4_kernel in ((torch.bfloat16, "int16"), (torch.float32, "torch")):
+        loaded = load_model("smollm2", CPU, dtype)
+        runner = ModelRunner(loaded.model, 2, 64, CPU, dtype, "int4", trace_decode=True, int4_kernel=int4_kernel)
+        if dtype == torch.bfloat16:
+            assert all(isinstance(p.quantized, Q4Int16Weight) for p in loaded.model.projections()[:-1])
+        else:  # the float32 layers themselves
+            for packed in loaded.model.projections():
+                packed.quantized = None
+        runner.model.prefill(prompt, torch.tensor([6]), runner.cache, 0)
+        token, picks = torch.tensor([314]), []
+        for position in range(6, 22):
+            token = runner._decode(token, torch.tensor([position])).argmax(-1)
+            picks.append(int(token))
+        tokens[int4_kernel] = picks
+    assert tokens["int16"] == tokens["torch"]
+
+
+@needs_kernel
+def test_an_engine_serving_bfloat16_int4_runs_the_kernel_and_says_so(kernel: Path) -> None:
+    with EngineProcess("--model", "tiny", "--dtype", "bfloat16", "--quantize", "int4", "--max-context", "64") as engine, \
+            EngineProcess("--model", "tiny", "--dtype", "bfloat16", "--quantize", "int4", "--max-context", "64",
+                          "--int4-kernel", "torch") as torch_kernel:
+        infos = []
+        for running in (engine, torch_kernel):
+            with grpc.insecure_channel(running.address) as channel:
+                stub = engine_pb2_grpc.EngineServiceStub(channel)
+                infos.append(stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5))
+                request = pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=[197, 215, 20]), max_new_tokens=12,
+                                           ignore_eos=True)
+                assert sum(len(m.token_ids) for m in stub.Decode(request, timeout=60)) == 12
+    assert "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up)" in infos[0].precision_reason
+    assert infos[1].precision_reason.endswith("int4 layers in torch's int4 kernel: --int4-kernel torch")
+    assert (infos[0].dtype, infos[0].quantization) == ("bfloat16", "int4")
+
+
+def avx512(flags: str, capability: str = "AVX512") -> CpuInfo:
+    return CpuInfo(model_name="AMD EPYC", capability=capability, flags=frozenset(flags.split()), onednn_max_isa="")
+
+
+ZEN4 = "avx2 fma avx512f avx512_vnni avx512_bf16"
+
+
+@pytest.mark.parametrize(("requested", "dtype", "cpu", "compiler", "answer"), [
+    ("auto", "bfloat16", avx512(ZEN4), "/usr/bin/g++",
+     ("int16", "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up)")),
+    ("auto", "bfloat16", avx512(f"{ZEN4} amx_bf16 amx_int8"), "/usr/bin/g++",
+     ("int16", "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up)")),
+    ("torch", "bfloat16", avx512(ZEN4), "/usr/bin/g++",
+     ("torch", "int4 layers in torch's int4 kernel: --int4-kernel torch")),
+    ("auto", "bfloat16", avx512("avx2 fma avx512f avx512_bf16"), "/usr/bin/g++",
+     ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
+    ("auto", "bfloat16", avx512("avx2 fma avx512f avx512_vnni"), "/usr/bin/g++",
+     ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
+    # the flags, but torch's dispatch held to AVX2 (ATEN_CPU_CAPABILITY): the machine is served as AVX2
+    ("auto", "bfloat16", avx512(ZEN4, capability="AVX2"), "/usr/bin/g++",
+     ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
+    ("auto", "bfloat16", avx512(ZEN4), None,
+     ("torch", "int4 layers in torch's int4 kernel: no C++ compiler ($CXX, g++) to build the int16 one")),
+    ("auto", "float32", avx512(ZEN4), "/usr/bin/g++",
+     ("float32", "int4 layers in the float32 int4 kernel (AVX2, built at start-up)")),
+])
+def test_the_int16_kernel_serves_a_bfloat16_models_int4_layers_where_vnni_bf16_and_a_compiler_are(
+        requested: str, dtype: str, cpu: CpuInfo, compiler: str | None, answer: tuple[str, str]) -> None:
+    assert choose_q4_kernel(requested, "int4", dtype, "cpu", cpu, compiler) == answer
+
+
+@pytest.mark.skipif(find_cpp_compiler() is None, reason="needs a C++ compiler")
+def test_the_two_kernels_libraries_are_kept_apart_in_the_cache(tmp_path: Path) -> None:
+    compiler = find_cpp_compiler()
+    assert compiler is not None
+    paths = {name: q4_matmul.library_path(tmp_path, compiler, kernel) for name, kernel in q4_matmul.KERNELS.items()}
+    assert paths["float32"].name.startswith("q4_matmul-") and paths["int16"].name.startswith("q4_int16-")
+    assert paths["float32"] != paths["int16"]
+
+
+@needs_kernel
+@pytest.mark.compile
+def test_the_compiled_one_row_step_calls_the_int16_kernel_and_follows_the_trace(
+        kernel: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENGINE_COMPILE_CACHE", str(tmp_path))
+    model = load_model("tiny", CPU, torch.bfloat16).model
+    runner = ModelRunner(model, 2, 64, CPU, torch.bfloat16, "int4", trace_decode=True, compile_decode=True,
+                         int4_kernel="int16")
+    assert runner.compiled_decode == "on"
+    assert all(isinstance(p.quantized, Q4Int16Weight) for p in model.projections()[:-1])
+    picks = {}
+    for name, step in (("compiled", runner._decode), ("traced", runner._decode._fallback)):  # type: ignore[attr-defined]
+        runner.cache.k.zero_()
+        runner.cache.v.zero_()
+        model.prefill(torch.tensor([[5, 6, 7, 8]]), torch.tensor([4]), runner.cache, 0)
+        token, tokens = torch.tensor([9]), []
+        for position in range(4, 14):
+            token = step(token, torch.tensor([position])).argmax(-1)
+            tokens.append(int(token))
+        picks[name] = tokens
+    assert picks["compiled"] == picks["traced"]
