@@ -43,7 +43,8 @@ class EngineConfig:
     speculative_tokens: int = 6  # draft tokens per step and row with --speculative ngram
     trace_decode: bool = True  # the decode step through TorchScript traces (engine_service/model/traced_decode.py)
     compile_decode: str = "auto"  # auto: one-row steps through AOTInductor where precision.py allows it, or off
-    int4_kernel: str = "auto"  # auto: the int4 layers in model/q4_matmul.py's kernels where precision.py allows it, or torch
+    int4_kernel: str = "auto"  # auto: the int4 layers in model/q4_matmul.py's kernels where precision.py allows it
+    # and they win the start-up race (model/int4_race.py); engine: wherever allowed, no race; torch
 
     def __post_init__(self) -> None:
         _positive("max_batch", self.max_batch)
@@ -123,7 +124,7 @@ QUANTIZE_METHODS = ("none", "int8", "int4")
 QUANTIZE_CHOICES = ("auto", *QUANTIZE_METHODS)
 SPECULATIVE_METHODS = ("none", "ngram")
 COMPILE_DECODE_CHOICES = ("auto", "off")
-INT4_KERNEL_CHOICES = ("auto", "torch")
+INT4_KERNEL_CHOICES = ("auto", "engine", "torch")
 
 
 def _positive(name: str, value: int) -> None:

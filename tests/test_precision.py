@@ -16,8 +16,10 @@ from engine_service.machine.precision import (
     choose_dtype,
     choose_dynamic_head,
     choose_onednn_weights,
+    choose_q4_kernel,
     choose_quantize,
     find_cpp_compiler,
+    keep_q4_kernel,
     onednn_bfloat16,
 )
 from engine_service.model.gguf_checkpoint import weight_format
@@ -209,3 +211,77 @@ def test_the_cuda_reasons_are_exact() -> None:
     assert choose_dtype("auto", "cuda:0", cpu(EPYC, "AVX2")) == ("bfloat16", "dtype bfloat16: auto on CUDA")
     assert choose_quantize("auto", "cuda", "Q4_1") == (
         "none", "quantize none: auto on CUDA (the weight-only kernels are CPU ones)")
+
+
+# --int4-kernel: which of the engine's int4 kernels a model's int4 layers may take, and the race's answer
+
+def avx2(flags: str) -> CpuInfo:
+    return CpuInfo(model_name="AMD EPYC", capability="AVX2", flags=frozenset(flags.split()), onednn_max_isa="")
+
+
+@pytest.mark.parametrize(("requested", "quantize", "dtype", "device", "flags", "compiler", "answer"), [
+    ("auto", "int4", "float32", "cpu", "avx2 fma", "/usr/bin/g++",
+     ("float32", "int4 layers in the float32 int4 kernel (AVX2, built at start-up)")),
+    ("engine", "int4", "float32", "cpu", "avx2 fma", "/usr/bin/g++",
+     ("float32", "int4 layers in the float32 int4 kernel (AVX2, built at start-up): --int4-kernel engine")),
+    ("torch", "int4", "float32", "cpu", "avx2 fma", "/usr/bin/g++",
+     ("torch", "int4 layers in torch's bfloat16 kernel: --int4-kernel torch")),
+    ("auto", "int4", "float32", "cpu", "avx2", "/usr/bin/g++",
+     ("torch", "int4 layers in torch's bfloat16 kernel: the float32 int4 kernel needs AVX2 and FMA")),
+    ("auto", "int4", "float32", "cpu", "avx2 fma", None,
+     ("torch", "int4 layers in torch's bfloat16 kernel: no C++ compiler ($CXX, g++) to build the float32 one")),
+    ("auto", "int4", "bfloat16", "cpu", "avx2 fma", "/usr/bin/g++",
+     ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
+    ("torch", "int4", "bfloat16", "cpu", "avx2 fma", "/usr/bin/g++",
+     ("torch", "int4 layers in torch's int4 kernel: --int4-kernel torch")),
+    ("auto", "int4", "float16", "cpu", "avx2 fma", "/usr/bin/g++", ("torch", "")),
+    ("auto", "int8", "float32", "cpu", "avx2 fma", "/usr/bin/g++", ("torch", "")),
+    ("auto", "none", "float32", "cpu", "avx2 fma", "/usr/bin/g++", ("torch", "")),
+    ("auto", "int4", "float32", "cuda", "avx2 fma", "/usr/bin/g++", ("torch", "")),
+])
+def test_the_kernel_serves_a_float32_models_int4_layers_where_avx2_fma_and_a_compiler_are(
+        requested: str, quantize: str, dtype: str, device: str, flags: str, compiler: str | None,
+        answer: tuple[str, str]) -> None:
+    assert choose_q4_kernel(requested, quantize, dtype, device, avx2(flags), compiler) == answer
+
+
+def avx512(flags: str, capability: str = "AVX512") -> CpuInfo:
+    return CpuInfo(model_name="AMD EPYC", capability=capability, flags=frozenset(flags.split()), onednn_max_isa="")
+
+
+ZEN4 = "avx2 fma avx512f avx512_vnni avx512_bf16"
+
+
+@pytest.mark.parametrize(("requested", "dtype", "cpu", "compiler", "answer"), [
+    ("auto", "bfloat16", avx512(ZEN4), "/usr/bin/g++",
+     ("int16", "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up)")),
+    ("auto", "bfloat16", avx512(f"{ZEN4} amx_bf16 amx_int8"), "/usr/bin/g++",
+     ("int16", "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up)")),
+    ("engine", "bfloat16", avx512(ZEN4), "/usr/bin/g++",
+     ("int16", "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up): --int4-kernel engine")),
+    ("torch", "bfloat16", avx512(ZEN4), "/usr/bin/g++",
+     ("torch", "int4 layers in torch's int4 kernel: --int4-kernel torch")),
+    ("auto", "bfloat16", avx512("avx2 fma avx512f avx512_bf16"), "/usr/bin/g++",
+     ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
+    ("auto", "bfloat16", avx512("avx2 fma avx512f avx512_vnni"), "/usr/bin/g++",
+     ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
+    # the flags, but torch's dispatch held to AVX2 (ATEN_CPU_CAPABILITY): the machine is served as AVX2
+    ("auto", "bfloat16", avx512(ZEN4, capability="AVX2"), "/usr/bin/g++",
+     ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
+    ("auto", "bfloat16", avx512(ZEN4), None,
+     ("torch", "int4 layers in torch's int4 kernel: no C++ compiler ($CXX, g++) to build the int16 one")),
+    ("auto", "float32", avx512(ZEN4), "/usr/bin/g++",
+     ("float32", "int4 layers in the float32 int4 kernel (AVX2, built at start-up)")),
+])
+def test_the_int16_kernel_serves_a_bfloat16_models_int4_layers_where_vnni_bf16_and_a_compiler_are(
+        requested: str, dtype: str, cpu: CpuInfo, compiler: str | None, answer: tuple[str, str]) -> None:
+    assert choose_q4_kernel(requested, "int4", dtype, "cpu", cpu, compiler) == answer
+
+
+def test_the_races_answer_names_the_winner_and_the_times() -> None:
+    assert keep_q4_kernel("int16", True, (24.4, 125.0), (59.3, 265.5), 8) == (
+        "int16", "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up): 24 / 125 us against "
+                 "torch's 59 / 266 for the model's gate/up at 1 / 8 rows, in a start-up race")
+    assert keep_q4_kernel("float32", False, (140.0, 1200.0), (97.0, 800.0), 24) == (
+        "torch", "int4 layers in torch's bfloat16 kernel: the float32 one took 140 / 1200 us against torch's "
+                 "97 / 800 for the model's gate/up at 1 / 24 rows, in a start-up race")

@@ -7,6 +7,7 @@ layers' greedy tokens, and is chosen only where it can run."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import grpc
@@ -15,9 +16,9 @@ import torch
 
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
-from engine_service.machine.cpu import CpuInfo, detect
-from engine_service.machine.precision import INT16_KERNEL_FLAGS, choose_q4_kernel, find_cpp_compiler
-from engine_service.model import q4_matmul
+from engine_service.machine.cpu import detect
+from engine_service.machine.precision import INT16_KERNEL_FLAGS, find_cpp_compiler
+from engine_service.model import int4_race, q4_matmul
 from engine_service.model.loader import load_model
 from engine_service.model.quantize import (
     Int4Weight,
@@ -44,8 +45,9 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """The weights the kernel's copy stands for: its 4-bit values times its float16 scales, plus its lows."""
     q, scale, low = int4_groups(weight)
-    return (q * scale[..., None] + low[..., None]).view(weight.shape)
+    return (q * scale.half().float()[..., None] + low.half().float()[..., None]).view(weight.shape)
 
 
 @needs_kernel
@@ -86,8 +88,8 @@ def test_a_model_shaped_call_of_more_dimensions_keeps_its_leading_ones(kernel: P
      "weights must be contiguous (N / 16, K / 8, 64) uint8 for K = 96"),
     (lambda c: (torch.zeros(1, 64, dtype=torch.bfloat16), c.q.to(torch.int8), c.scales, c.lows), "weights must be contiguous"),
     (lambda c: (torch.zeros(1, 64, dtype=torch.bfloat16), c.q, c.scales[:, :1].contiguous(), c.lows),
-     "scales and lows must be contiguous (N / 16, K / 32, 16) float32"),
-    (lambda c: (torch.zeros(1, 64, dtype=torch.bfloat16), c.q, c.scales, c.lows.double()), "scales and lows must be"),
+     "scales and lows must be contiguous (N / 16, K / 32, 16) float16"),
+    (lambda c: (torch.zeros(1, 64, dtype=torch.bfloat16), c.q, c.scales, c.lows.float()), "scales and lows must be"),
 ])
 def test_malformed_operands_are_refused_by_name(kernel: Path, operands, message: str) -> None:
     copy = quantize_q4_int16(torch.randn(32, 64))
@@ -110,8 +112,17 @@ def test_pack_int16_puts_a_rows_eight_inputs_in_two_words_of_four_nibbles() -> N
                 word = int(words[0, octet, 2 * row + p])
                 assert [(word >> (4 * i)) & 0xF for i in range(4)] == \
                     [int(q[row, octet * 8 + 2 * i + p]) for i in range(4)]
-    assert s.shape == lo.shape == (1, 1, 16) and s.dtype == torch.float32
-    assert s[0, 0].tolist() == scales[:, 0].tolist() and lo[0, 0].tolist() == lows[:, 0].tolist()
+    assert s.shape == lo.shape == (1, 1, 16) and s.dtype == lo.dtype == torch.float16
+    assert s[0, 0].tolist() == scales[:, 0].half().tolist() and lo[0, 0].tolist() == lows[:, 0].half().tolist()
+
+
+def test_the_packaged_files_layers_are_kept_exactly_in_float16_scales_and_lows() -> None:
+    # GGUF's Q4_1 stores each block's scale and low in float16, so the copy's float16 ones lose nothing
+    model = load_model("smollm2", CPU, torch.float32).model
+    model.pack_projections()
+    for packed in model.projections()[:-1]:
+        assert packed.weight is not None
+        assert torch.equal(dequantized(packed.weight), packed.weight)
 
 
 @pytest.mark.parametrize(("n", "k"), [(24, 32), (16, 40)])
@@ -166,7 +177,8 @@ def test_a_bfloat16_models_traced_steps_through_the_kernel_pick_the_float32_laye
 
 @needs_kernel
 def test_an_engine_serving_bfloat16_int4_runs_the_kernel_and_says_so(kernel: Path) -> None:
-    with EngineProcess("--model", "tiny", "--dtype", "bfloat16", "--quantize", "int4", "--max-context", "64") as engine, \
+    with EngineProcess("--model", "tiny", "--dtype", "bfloat16", "--quantize", "int4", "--max-context", "64",
+                       "--int4-kernel", "engine") as engine, \
             EngineProcess("--model", "tiny", "--dtype", "bfloat16", "--quantize", "int4", "--max-context", "64",
                           "--int4-kernel", "torch") as torch_kernel:
         infos = []
@@ -177,40 +189,53 @@ def test_an_engine_serving_bfloat16_int4_runs_the_kernel_and_says_so(kernel: Pat
                 request = pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=[197, 215, 20]), max_new_tokens=12,
                                            ignore_eos=True)
                 assert sum(len(m.token_ids) for m in stub.Decode(request, timeout=60)) == 12
-    assert "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up)" in infos[0].precision_reason
+        assert engine.events_named("q4_kernel_raced") == []  # engine: no race
+    assert ("int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up): --int4-kernel engine"
+            in infos[0].precision_reason)
     assert infos[1].precision_reason.endswith("int4 layers in torch's int4 kernel: --int4-kernel torch")
     assert (infos[0].dtype, infos[0].quantization) == ("bfloat16", "int4")
 
 
-def avx512(flags: str, capability: str = "AVX512") -> CpuInfo:
-    return CpuInfo(model_name="AMD EPYC", capability=capability, flags=frozenset(flags.split()), onednn_max_isa="")
+@needs_kernel
+def test_auto_races_the_kernel_against_torchs_and_serves_the_winner_with_the_times(kernel: Path) -> None:
+    with EngineProcess("--model", "tiny", "--dtype", "bfloat16", "--quantize", "int4", "--max-context", "64") as engine:
+        with grpc.insecure_channel(engine.address) as channel:
+            reason = engine_pb2_grpc.EngineServiceStub(channel).GetServerInfo(pb.GetServerInfoRequest(),
+                                                                              timeout=5).precision_reason
+        [raced] = engine.events_named("q4_kernel_raced")
+        [ready] = engine.events_named("engine_ready")
+    assert raced["kernel"] == "int16" and raced["rows"] == 8
+    assert len(raced["ours_us"]) == len(raced["torch_us"]) == 2 and min(raced["ours_us"] + raced["torch_us"]) > 0
+    figures = (r"(\d+) / (\d+) us against torch's (\d+) / (\d+) for the model's gate/up at 1 / 8 rows, in a "
+               r"start-up race")
+    if raced["kept"]:
+        found = re.search(r"int4 layers in the int16 int4 kernel \(AVX-512 VNNI, built at start-up\): " + figures, reason)
+    else:
+        found = re.search(r"int4 layers in torch's int4 kernel: the int16 one took " + figures, reason)
+    assert found, reason
+    # the reason's whole microseconds are the logged times (to a tenth)
+    for said, logged in zip(map(int, found.groups()), raced["ours_us"] + raced["torch_us"], strict=True):
+        assert abs(said - logged) <= 0.6
+    assert ready["precision_reason"] == reason
 
 
-ZEN4 = "avx2 fma avx512f avx512_vnni avx512_bf16"
-
-
-@pytest.mark.parametrize(("requested", "dtype", "cpu", "compiler", "answer"), [
-    ("auto", "bfloat16", avx512(ZEN4), "/usr/bin/g++",
-     ("int16", "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up)")),
-    ("auto", "bfloat16", avx512(f"{ZEN4} amx_bf16 amx_int8"), "/usr/bin/g++",
-     ("int16", "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up)")),
-    ("torch", "bfloat16", avx512(ZEN4), "/usr/bin/g++",
-     ("torch", "int4 layers in torch's int4 kernel: --int4-kernel torch")),
-    ("auto", "bfloat16", avx512("avx2 fma avx512f avx512_bf16"), "/usr/bin/g++",
-     ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
-    ("auto", "bfloat16", avx512("avx2 fma avx512f avx512_vnni"), "/usr/bin/g++",
-     ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
-    # the flags, but torch's dispatch held to AVX2 (ATEN_CPU_CAPABILITY): the machine is served as AVX2
-    ("auto", "bfloat16", avx512(ZEN4, capability="AVX2"), "/usr/bin/g++",
-     ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
-    ("auto", "bfloat16", avx512(ZEN4), None,
-     ("torch", "int4 layers in torch's int4 kernel: no C++ compiler ($CXX, g++) to build the int16 one")),
-    ("auto", "float32", avx512(ZEN4), "/usr/bin/g++",
-     ("float32", "int4 layers in the float32 int4 kernel (AVX2, built at start-up)")),
+@pytest.mark.parametrize(("ours", "theirs", "faster"), [
+    ((10.0, 100.0), (20.0, 100.0), True),  # faster at one row, level at 8
+    ((30.0, 40.0), (20.0, 100.0), True),  # 1.5x slower at one row, 2.5x faster at 8: the mean wins
+    ((10.0, 300.0), (20.0, 100.0), False),  # 2x faster at one row, 3x slower at 8
+    ((20.0, 100.0), (20.0, 100.0), False),  # level: torch's kernel stays
 ])
-def test_the_int16_kernel_serves_a_bfloat16_models_int4_layers_where_vnni_bf16_and_a_compiler_are(
-        requested: str, dtype: str, cpu: CpuInfo, compiler: str | None, answer: tuple[str, str]) -> None:
-    assert choose_q4_kernel(requested, "int4", dtype, "cpu", cpu, compiler) == answer
+def test_the_race_keeps_the_engines_kernel_where_its_ratios_geometric_mean_is_below_one(
+        ours: tuple[float, float], theirs: tuple[float, float], faster: bool) -> None:
+    assert int4_race.Race("int16", 8, ours, theirs).ours_faster is faster
+
+
+@needs_kernel
+def test_a_race_times_both_kernels_on_the_models_own_shape(kernel: Path) -> None:
+    config = load_model("tiny", CPU, torch.bfloat16).config
+    result = int4_race.race("int16", config, torch.bfloat16)
+    assert (result.kernel, result.rows) == ("int16", 8)
+    assert min(result.ours_us + result.torch_us) > 0
 
 
 @pytest.mark.skipif(find_cpp_compiler() is None, reason="needs a C++ compiler")

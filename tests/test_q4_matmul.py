@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 from engine_service.config import EngineConfig
-from engine_service.machine.cpu import CpuInfo, detect
-from engine_service.machine.precision import choose_dynamic_head, choose_q4_kernel, find_cpp_compiler
+from engine_service.machine.cpu import detect
+from engine_service.machine.precision import choose_dynamic_head, find_cpp_compiler
 from engine_service.model import q4_matmul
 from engine_service.model.loader import load_model
 from engine_service.model.quantize import Int4Weight, Int8Weight, Q4Weight, int4_groups, quantize_model, quantize_q4
@@ -145,7 +145,8 @@ def test_a_float32_models_traced_steps_through_the_kernel_pick_the_float32_layer
 @needs_kernel
 def test_an_engine_serving_float32_int4_runs_the_kernel_says_so_and_gives_its_tokens(kernel: Path) -> None:
     prompt = [197, 215, 20, 132, 248, 207]
-    with EngineProcess("--model", "tiny", "--dtype", "float32", "--quantize", "int4", "--max-context", "64") as engine, \
+    with EngineProcess("--model", "tiny", "--dtype", "float32", "--quantize", "int4", "--max-context", "64",
+                       "--int4-kernel", "engine") as engine, \
             EngineProcess("--model", "tiny", "--dtype", "float32", "--quantize", "int4", "--max-context", "64",
                           "--int4-kernel", "torch") as torch_kernel:
         model = load_model("tiny", CPU, torch.float32).model
@@ -164,7 +165,7 @@ def test_an_engine_serving_float32_int4_runs_the_kernel_says_so_and_gives_its_to
             reason = engine_pb2_grpc.EngineServiceStub(channel).GetServerInfo(pb.GetServerInfoRequest(),
                                                                               timeout=5).precision_reason
     assert reason.endswith("int4 layers in torch's bfloat16 kernel: --int4-kernel torch")
-    assert "int4 layers in the float32 int4 kernel (AVX2, built at start-up)" in info.precision_reason
+    assert "int4 layers in the float32 int4 kernel (AVX2, built at start-up): --int4-kernel engine" in info.precision_reason
     assert (info.dtype, info.quantization) == ("float32", "int4")
     assert tokens == expected
 
@@ -186,36 +187,8 @@ def test_a_kernel_that_fails_to_build_leaves_torchs_serving_and_says_why(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-def avx2(flags: str) -> CpuInfo:
-    return CpuInfo(model_name="AMD EPYC", capability="AVX2", flags=frozenset(flags.split()), onednn_max_isa="")
-
-
-@pytest.mark.parametrize(("requested", "quantize", "dtype", "device", "flags", "compiler", "answer"), [
-    ("auto", "int4", "float32", "cpu", "avx2 fma", "/usr/bin/g++",
-     ("float32", "int4 layers in the float32 int4 kernel (AVX2, built at start-up)")),
-    ("torch", "int4", "float32", "cpu", "avx2 fma", "/usr/bin/g++",
-     ("torch", "int4 layers in torch's bfloat16 kernel: --int4-kernel torch")),
-    ("auto", "int4", "float32", "cpu", "avx2", "/usr/bin/g++",
-     ("torch", "int4 layers in torch's bfloat16 kernel: the float32 int4 kernel needs AVX2 and FMA")),
-    ("auto", "int4", "float32", "cpu", "avx2 fma", None,
-     ("torch", "int4 layers in torch's bfloat16 kernel: no C++ compiler ($CXX, g++) to build the float32 one")),
-    ("auto", "int4", "bfloat16", "cpu", "avx2 fma", "/usr/bin/g++",
-     ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
-    ("torch", "int4", "bfloat16", "cpu", "avx2 fma", "/usr/bin/g++",
-     ("torch", "int4 layers in torch's int4 kernel: --int4-kernel torch")),
-    ("auto", "int4", "float16", "cpu", "avx2 fma", "/usr/bin/g++", ("torch", "")),
-    ("auto", "int8", "float32", "cpu", "avx2 fma", "/usr/bin/g++", ("torch", "")),
-    ("auto", "none", "float32", "cpu", "avx2 fma", "/usr/bin/g++", ("torch", "")),
-    ("auto", "int4", "float32", "cuda", "avx2 fma", "/usr/bin/g++", ("torch", "")),
-])
-def test_the_kernel_serves_a_float32_models_int4_layers_where_avx2_fma_and_a_compiler_are(
-        requested: str, quantize: str, dtype: str, device: str, flags: str, compiler: str | None,
-        answer: tuple[str, str]) -> None:
-    assert choose_q4_kernel(requested, quantize, dtype, device, avx2(flags), compiler) == answer
-
-
 def test_an_unknown_int4_kernel_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="int4_kernel must be one of auto, torch, got 'fast'"):
+    with pytest.raises(ValueError, match="int4_kernel must be one of auto, engine, torch, got 'fast'"):
         EngineConfig(int4_kernel="fast")
 
 

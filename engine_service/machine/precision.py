@@ -96,30 +96,45 @@ Q4_KERNEL_ON = "int4 layers in the float32 int4 kernel (AVX2, built at start-up)
 # choose_q4_kernel's int16
 Q4_INT16_KERNEL_ON = "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up)"
 INT16_KERNEL_FLAGS = frozenset({"avx512f", "avx512_vnni", "avx512_bf16"})
+KERNEL_ON = {"float32": Q4_KERNEL_ON, "int16": Q4_INT16_KERNEL_ON}
+# torch's int4 kernel, as a float32 model's calls meet it (cast to bfloat16) and as a bfloat16 model's do
+TORCH_INT4 = {"float32": "torch's bfloat16 kernel", "int16": "torch's int4 kernel"}
 
 
 def choose_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo,
                      compiler: str | None) -> tuple[str, str]:
     """(who multiplies the int4 layers, quantize.INT4_KERNELS: torch, float32 or int16, the engine's
     kernels in model/q4_matmul.py; reason, "" where the question does not arise) for `--int4-kernel
-    requested` (auto or torch) of a model in `dtype` served with `quantize`: a float32 model's layers
-    in the float32 kernel on a CPU with AVX2 and FMA, a bfloat16 model's in the int16 one on a CPU
-    with AVX-512 VNNI and BF16 (torch's own dispatch at AVX-512), where a compiler can build them."""
+    requested` (auto, engine or torch) of a model in `dtype` served with `quantize`: a float32
+    model's layers in the float32 kernel on a CPU with AVX2 and FMA, a bfloat16 model's in the int16
+    one on a CPU with AVX-512 VNNI and BF16 (torch's own dispatch at AVX-512), where a compiler can
+    build them. With auto, the kernel named still has to win the start-up race (`keep_q4_kernel`)."""
     if quantize != "int4" or dtype not in ("float32", "bfloat16") or not device.startswith("cpu"):
         return "torch", ""
     if dtype == "float32":
-        kernel, needs, needed, on = "float32", {"avx2", "fma"}, "AVX2 and FMA", Q4_KERNEL_ON
-        mine, theirs = "the float32", "torch's bfloat16 kernel"
+        kernel, needs, needed = "float32", {"avx2", "fma"}, "AVX2 and FMA"
     else:
-        kernel, needs, needed, on = "int16", INT16_KERNEL_FLAGS, "AVX-512 VNNI and BF16", Q4_INT16_KERNEL_ON
-        mine, theirs = "the int16", "torch's int4 kernel"
+        kernel, needs, needed = "int16", INT16_KERNEL_FLAGS, "AVX-512 VNNI and BF16"
+    on, mine, theirs = KERNEL_ON[kernel], f"the {kernel}", TORCH_INT4[kernel]
     if requested == "torch":
         return "torch", f"int4 layers in {theirs}: --int4-kernel torch"
     if not needs <= cpu.flags or (kernel == "int16" and not cpu.capability.startswith("AVX512")):
         return "torch", f"int4 layers in {theirs}: {mine} int4 kernel needs {needed}"
     if compiler is None:
         return "torch", f"int4 layers in {theirs}: no C++ compiler ($CXX, g++) to build {mine} one"
-    return kernel, on
+    return kernel, on if requested == "auto" else f"{on}: --int4-kernel engine"
+
+
+def keep_q4_kernel(kernel: str, faster: bool, ours_us: tuple[float, float], torch_us: tuple[float, float],
+                   rows: int) -> tuple[str, str]:
+    """(who multiplies the int4 layers, reason) after the start-up race (model/int4_race.py) of the
+    engine's `kernel` (float32 or int16) against torch's int4 kernel, which says whether ours was
+    `faster` and the times a call at one row and at `rows`: the faster, with the times."""
+    figures = (f"{ours_us[0]:.0f} / {ours_us[1]:.0f} us against torch's {torch_us[0]:.0f} / {torch_us[1]:.0f} "
+               f"for the model's gate/up at 1 / {rows} rows, in a start-up race")
+    if faster:
+        return kernel, f"{KERNEL_ON[kernel]}: {figures}"
+    return "torch", f"int4 layers in {TORCH_INT4[kernel]}: the {kernel} one took {figures}"
 
 
 def choose_onednn_weights(dtype: str, device: str) -> bool:

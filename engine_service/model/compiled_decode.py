@@ -42,8 +42,9 @@ from engine_service.model.llama import LlamaForCausalLM
 log = structlog.get_logger()
 
 Decode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# the code a library is compiled from: a change to any of these makes another library
-SOURCES = ("compiled_decode.py", "llama.py", "kv_cache.py", "quantize.py")
+# the code a library is compiled from: a change to any of these makes another library (q4_matmul.py
+# lays out the int4 kernels' copies, which the library holds as constants)
+SOURCES = ("compiled_decode.py", "llama.py", "kv_cache.py", "quantize.py", "q4_matmul.py")
 
 
 class _InputCache:

@@ -4,7 +4,9 @@
 //
 // The weights are laid out for the dot-product instruction (q4_matmul.pack_int16): output rows in
 // tiles of 16 and, within a tile, 64 bytes for each 8 inputs k..k+7: 16-bit word 2 l + p holds row
-// l's values k + 2 n + p in its nibbles n = 0..3. A 64-byte load then gives, after a shift and a
+// l's values k + 2 n + p in its nibbles n = 0..3; each group's scale s and low, the 16 rows' side by
+// side, in float16, as GGUF's Q4_1 stores them (so a Q4_1 file's are kept exactly, in the bytes
+// torch's kernel reads for its bfloat16 ones). A 64-byte load then gives, after a shift and a
 // mask each, four vectors of 16 rows x 2 inputs, and `vpdpwssd` multiplies each by 2 inputs of x
 // broadcast to the 16 rows, summing in 32 bits. x is quantized for the call to 16 bits per group of
 // 32 inputs (d = max |x| / 32767: far finer than bfloat16's own 8 bits), so a group's sum is
@@ -25,6 +27,10 @@ namespace {
 constexpr int64_t GROUP = 32;  // inputs a group: its scale, its low
 constexpr int64_t TILE = 16;   // output rows a vector holds
 constexpr int ROW_TILE = 4;    // rows of x a pass: 8 int sums, 4 float sums, 4 weight vectors
+
+inline __m512 half_to_f32(const at::Half* x) {  // 16 float16 values, widened exactly
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
 
 inline __m512 bf16_to_f32(const uint16_t* x) {
   return _mm512_castsi512_ps(
@@ -55,7 +61,7 @@ inline __m512i pair(const int16_t* p) {  // two inputs of x, broadcast to the 16
 // R rows of x against one tile of 16 output rows: out[r * out_stride + l]
 template <int R>
 inline void tile_rows(const int16_t* xq, const float* d, const float* dsum, int64_t k, const uint8_t* q,
-                      const float* scale, const float* low, at::BFloat16* out, int64_t out_stride) {
+                      const at::Half* scale, const at::Half* low, at::BFloat16* out, int64_t out_stride) {
   const int64_t groups = k / GROUP;
   const __m512i nibble = _mm512_set1_epi16(0x0F);
   __m512 acc[R];
@@ -78,7 +84,7 @@ inline void tile_rows(const int16_t* xq, const float* d, const float* dsum, int6
         odd[r] = _mm512_dpwssd_epi32(odd[r], w3, pair(x + 6));
       }
     }
-    const __m512 s = _mm512_loadu_ps(scale + g * TILE), lo = _mm512_loadu_ps(low + g * TILE);
+    const __m512 s = half_to_f32(scale + g * TILE), lo = half_to_f32(low + g * TILE);
     for (int r = 0; r < R; ++r) {
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[r], odd[r]));
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_set1_ps(d[r * groups + g])), s, acc[r]);
@@ -89,8 +95,8 @@ inline void tile_rows(const int16_t* xq, const float* d, const float* dsum, int6
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride), (__m256i)_mm512_cvtneps_pbh(acc[r]));
 }
 
-using Tile = void (*)(const int16_t*, const float*, const float*, int64_t, const uint8_t*, const float*,
-                      const float*, at::BFloat16*, int64_t);
+using Tile = void (*)(const int16_t*, const float*, const float*, int64_t, const uint8_t*, const at::Half*,
+                      const at::Half*, at::BFloat16*, int64_t);
 constexpr Tile TILES[ROW_TILE + 1] = {nullptr, tile_rows<1>, tile_rows<2>, tile_rows<3>, tile_rows<4>};
 
 at::Tensor q4_int16_matmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
@@ -105,10 +111,10 @@ at::Tensor q4_int16_matmul(const at::Tensor& x, const at::Tensor& q, const at::T
               q.sizes(), " ", q.scalar_type());
   const int64_t tiles = q.size(0), n = tiles * TILE;
   TORCH_CHECK(scales.sizes() == lows.sizes() && scales.dim() == 3 && scales.size(0) == tiles &&
-                  scales.size(1) == groups && scales.size(2) == TILE && scales.scalar_type() == at::kFloat &&
-                  lows.scalar_type() == at::kFloat && scales.is_contiguous() && lows.is_contiguous(),
-              "q4_int16_matmul: scales and lows must be contiguous (N / 16, K / 32, 16) float32, got ",
-              scales.sizes(), " and ", lows.sizes());
+                  scales.size(1) == groups && scales.size(2) == TILE && scales.scalar_type() == at::kHalf &&
+                  lows.scalar_type() == at::kHalf && scales.is_contiguous() && lows.is_contiguous(),
+              "q4_int16_matmul: scales and lows must be contiguous (N / 16, K / 32, 16) float16, got ",
+              scales.sizes(), " ", scales.scalar_type(), " and ", lows.sizes(), " ", lows.scalar_type());
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
@@ -124,8 +130,8 @@ at::Tensor q4_int16_matmul(const at::Tensor& x, const at::Tensor& q, const at::T
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr<at::BFloat16>());
   for (int64_t r = 0; r < m; ++r) quantize_row(xp + r * k, k, xqp + r * k, dp + r * groups, dsp + r * groups);
   const uint8_t* qp = q.const_data_ptr<uint8_t>();
-  const float* scp = scales.const_data_ptr<float>();
-  const float* lp = lows.const_data_ptr<float>();
+  const at::Half* scp = scales.const_data_ptr<at::Half>();
+  const at::Half* lp = lows.const_data_ptr<at::Half>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   // grain: at least 2 tiles (32 output rows) a thread
   at::parallel_for(0, tiles, 2, [&](int64_t begin, int64_t end) {

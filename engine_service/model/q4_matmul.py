@@ -127,7 +127,7 @@ def pack_int16(q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> tup
     """(N, K) values 0..15 and (N, K / 32) scales and lows -> the int16 kernel's layout (q4_int16.cpp):
     values (N / 16, K / 8, 64) uint8, the 64 bytes for inputs k..k+7 of a tile of 16 rows being 32
     little-endian 16-bit words, word 2 l + p holding row l's values k + 2 n + p in its nibbles
-    n = 0..3; scales and lows (N / 16, K / 32, 16) float32, a group's 16 rows side by side. N must be
+    n = 0..3; scales and lows (N / 16, K / 32, 16) float16, a group's 16 rows side by side. N must be
     a multiple of 16 and K of 32."""
     n, k = q.shape
     if n % TILE or k % BLOCK:
@@ -138,5 +138,5 @@ def pack_int16(q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> tup
     values = torch.stack([words & 0xFF, words >> 8], dim=-1).to(torch.uint8).reshape(tiles, k // 8, 64).contiguous()
 
     def side_by_side(v: torch.Tensor) -> torch.Tensor:
-        return v.float().view(tiles, TILE, groups).transpose(1, 2).contiguous()
+        return v.half().view(tiles, TILE, groups).transpose(1, 2).contiguous()
     return values, side_by_side(scales), side_by_side(lows)

@@ -18,6 +18,7 @@ from engine_service.faults import FaultInjector
 from engine_service.generation.speculative import SpeculativeConfig
 from engine_service.machine.cpu import CpuInfo, detect
 from engine_service.machine.precision import (
+    TORCH_INT4,
     Precision,
     choose_compiled_decode,
     choose_dtype,
@@ -26,9 +27,11 @@ from engine_service.machine.precision import (
     choose_q4_kernel,
     choose_quantize,
     find_cpp_compiler,
+    keep_q4_kernel,
 )
-from engine_service.model import q4_matmul
+from engine_service.model import int4_race, q4_matmul
 from engine_service.model.compiled_decode import cache_dir
+from engine_service.model.config import ModelConfig
 from engine_service.model.loader import LoadedModel, load_model
 from engine_service.requests import Limits
 from engine_service.runtime.engine import Engine, EngineInfo, FatalCallback
@@ -66,7 +69,7 @@ async def build_engine(config: EngineConfig) -> Engine:
         quantize, quantize_reason = choose_quantize(cfg.quantize, cfg.device, loaded.weight_format)
         dynamic_head_bits, head_reason = choose_dynamic_head(quantize, cfg.device, cpu)
         int4_kernel, q4_reason = await event_loop.run_in_executor(loader, _load_q4_kernel, cfg.int4_kernel, quantize,
-                                                                dtype_name, cfg.device, cpu)
+                                                                  dtype_name, cfg.device, cpu, loaded.config)
         reasons = [dtype_reason, quantize_reason, *(r for r in (head_reason, q4_reason) if r)]
         precision = Precision(dtype_name, quantize, "; ".join(reasons))
         compiled, compiled_reason = choose_compiled_decode(cfg.compile_decode, cfg.device, quantize, cfg.trace_decode,
@@ -101,10 +104,12 @@ async def build_engine(config: EngineConfig) -> Engine:
     return engine
 
 
-def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo) -> tuple[str, str]:
+def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo,
+                    config: ModelConfig) -> tuple[str, str]:
     """(who multiplies the int4 layers, reason): choose_q4_kernel's answer, and where it names one
     of the engine's kernels, its library built or found in the compile cache and loaded
-    (model/q4_matmul.py)."""
+    (model/q4_matmul.py), then with `--int4-kernel auto` raced against torch's on `config`'s
+    largest layer (model/int4_race.py), the faster kept."""
     compiler = find_cpp_compiler()
     kernel, reason = choose_q4_kernel(requested, quantize, dtype, device, cpu, compiler)
     if kernel == "torch" or compiler is None:
@@ -115,9 +120,13 @@ def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu:
         # the compiler's failure, torch's refusal to load the library or the cache directory's:
         # torch's int4 kernel serves, slower, and engine_ready's precision_reason says why
         log.warning("q4_kernel_failed", kernel=kernel, error_type=type(err).__name__, error=str(err)[:2000])
-        theirs = "torch's bfloat16 kernel" if kernel == "float32" else "torch's int4 kernel"
-        return "torch", f"int4 layers in {theirs}: the {kernel} one failed to build ({type(err).__name__})"
-    return kernel, reason
+        return "torch", f"int4 layers in {TORCH_INT4[kernel]}: the {kernel} one failed to build ({type(err).__name__})"
+    if requested != "auto":
+        return kernel, reason
+    result = int4_race.race(kernel, config, DTYPES[dtype])
+    log.info("q4_kernel_raced", kernel=kernel, rows=result.rows, kept=result.ours_faster,
+             ours_us=[round(t, 1) for t in result.ours_us], torch_us=[round(t, 1) for t in result.torch_us])
+    return keep_q4_kernel(kernel, result.ours_faster, result.ours_us, result.torch_us, result.rows)
 
 
 def _engine_info(cfg: EngineConfig, loaded: LoadedModel, precision: Precision, device: torch.device,
