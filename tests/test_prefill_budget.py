@@ -15,7 +15,10 @@ from engine_service.model.kv_cache import PromptChunk
 from engine_service.model.presets import PRESETS
 from engine_service.scheduling.prefill_budget import (
     CHUNK_COST,
+    MAX_CHUNK_COST,
+    MIN_CHUNK_COST,
     MIN_TOKENS,
+    SMOOTHING,
     STALL_FACTOR,
     START_TOKENS,
     PrefillBudget,
@@ -57,8 +60,64 @@ def test_the_budget_is_stall_factor_decode_steps_of_chunk_tokens() -> None:
     budget.observe(8, NONE, 0.040)
     budget.observe(0, idle(500), 0.500)  # 1 ms a token with nothing decoding
     assert budget.tokens(8, 0) == expected(0.040, 0.001) > MIN_TOKENS
-    budget.observe(8, [PromptChunk(8, 0, 64)], 5.0)  # a step that prefills beside decoding rows changes neither cost
+    budget.observe(8, [PromptChunk(8, 0, 64)], 0.040 + 64 * CHUNK_COST * 0.001)  # a mixed step as estimated
     assert budget.tokens(8, 0) == expected(0.040, 0.001)
+
+
+def test_a_mixed_steps_time_beyond_a_decode_step_teaches_the_chunk_cost() -> None:
+    budget = PrefillBudget(None, 4096)
+    budget.observe(8, NONE, 0.040)
+    budget.observe(0, idle(500), 0.500)  # 1 ms a token idle
+    budget.observe(8, [PromptChunk(8, 0, 50)], 0.040 + 0.150)  # 50 tokens beside 8 rows: 3 ms each, 3 idle ones
+    learned = CHUNK_COST + SMOOTHING * (3.0 - CHUNK_COST)
+    assert budget.describe()["chunk_cost"] == round(learned, 3)
+    assert budget.tokens(8, 0) == int((STALL_FACTOR - 1) * 0.040 / (learned * 0.001))
+    assert budget.tokens(8, 0) < expected(0.040, 0.001)  # dearer chunk tokens: smaller chunks
+
+
+def test_a_chunk_at_a_later_position_is_counted_by_its_weight() -> None:
+    budget = PrefillBudget(None, 4096, parity=1000.0)
+    budget.observe(8, NONE, 0.040)
+    budget.observe(0, idle(100), 0.100)  # 1 ms a token at position 0 (weight 1.0495 a token: 100 at 0..99)
+    idle_token = 0.100 / budget.weight(idle(100))
+    chunk = [PromptChunk(8, 1000, 20)]  # weight 20 x (1 + 1009.5 / 1000)
+    budget.observe(8, chunk, 0.040 + 2 * budget.weight(chunk) * idle_token)
+    assert budget.describe()["chunk_cost"] == round(CHUNK_COST + SMOOTHING * (2 - CHUNK_COST), 3)
+
+
+@pytest.mark.parametrize(("extra", "cost"), [(0.0, MIN_CHUNK_COST), (-0.010, MIN_CHUNK_COST), (10.0, MAX_CHUNK_COST)])
+def test_the_learned_chunk_cost_is_held_within_its_bounds(extra: float, cost: float) -> None:
+    budget = PrefillBudget(None, 4096)
+    budget.observe(8, NONE, 0.040)
+    budget.observe(0, idle(500), 0.500)
+    for _ in range(60):  # a step no dearer than a decode step, or a stall of seconds, again and again
+        budget.observe(8, [PromptChunk(8, 0, 50)], 0.040 + extra)
+    assert budget.describe()["chunk_cost"] == pytest.approx(cost, abs=1e-3)
+
+
+def test_a_mixed_step_before_both_costs_are_timed_teaches_nothing() -> None:
+    budget = PrefillBudget(None, 4096)
+    budget.observe(8, [PromptChunk(8, 0, 50)], 1.0)  # neither cost yet
+    budget.observe(8, NONE, 0.040)
+    budget.observe(8, [PromptChunk(8, 0, 50)], 1.0)  # no idle cost yet
+    assert budget.describe()["chunk_cost"] == CHUNK_COST
+    budget.observe(0, idle(500), 0.0)  # an idle prefill timed at zero: no cost to count against
+    budget.observe(8, [PromptChunk(8, 0, 50)], 1.0)
+    assert budget.describe()["chunk_cost"] == CHUNK_COST
+
+
+def test_with_a_fixed_part_the_chunks_settle_where_the_step_takes_its_target() -> None:
+    # a mixed step costs F + T c idle-token-seconds: the learned cost folds F in, and the chunks
+    # settle where the step is STALL_FACTOR decode steps, (target - F) / c tokens
+    decode, token_idle, fixed, c = 0.030, 0.0005, 0.020, 2.0
+    budget = PrefillBudget(None, 4096)
+    budget.observe(8, NONE, decode)
+    budget.observe(0, idle(1000), 1000 * token_idle)
+    for _ in range(80):
+        tokens = budget.tokens(8, 0)
+        budget.observe(8, [PromptChunk(8, 0, tokens)], decode + fixed + tokens * c * token_idle)
+    settled = ((STALL_FACTOR - 1) * decode - fixed) / (c * token_idle)  # 55 tokens
+    assert abs(budget.tokens(8, 0) - settled) <= 1
 
 
 def test_the_budget_stays_within_its_floor_and_max_tokens() -> None:
@@ -90,10 +149,14 @@ def test_the_decode_step_of_the_nearest_row_count_serves_and_averages_move() -> 
 
 def test_describe_gives_each_estimate_in_milliseconds_to_the_microsecond() -> None:
     budget = PrefillBudget(None, 4096)
-    assert budget.describe() == {"fixed": None, "parity": None, "token_ms_idle": None, "decode_ms": {}}
+    assert budget.describe() == {"fixed": None, "parity": None, "token_ms_idle": None, "chunk_cost": CHUNK_COST,
+                                 "decode_ms": {}}
     budget.observe(0, idle(1000), 1.2345678)  # 1.2345678 ms a token
     budget.observe(3, NONE, 0.0456789)
-    assert budget.describe() == {"fixed": None, "parity": None, "token_ms_idle": 1.235, "decode_ms": {3: 45.679}}
+    budget.observe(3, [PromptChunk(3, 0, 10)], 0.0456789 + 10 * 2.1234567 * 0.0012345678)
+    chunk_cost = round(CHUNK_COST + SMOOTHING * (2.1234567 - CHUNK_COST), 3)
+    assert budget.describe() == {"fixed": None, "parity": None, "token_ms_idle": 1.235, "chunk_cost": chunk_cost,
+                                 "decode_ms": {3: 45.679}}
     assert PrefillBudget(None, 4096, parity=3072.0).describe()["parity"] == 3072.0
     assert PrefillBudget(96, 4096).describe()["fixed"] == 96
 

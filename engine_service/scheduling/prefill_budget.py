@@ -7,13 +7,29 @@ from one CPU to another: a token count tuned on one does not (96 tokens kept the
 - an idle prefill's seconds per prompt token (steps that prefill with nothing decoding: whole
   prompts, the cheapest tokens there are).
 
-The budget beside d decoding rows is (STALL_FACTOR - 1) x decode step(d) / (CHUNK_COST x idle
-cost per token): a prefilling step is meant to take about STALL_FACTOR decode steps, with a
-chunk's token taken to cost CHUNK_COST idle ones (smaller matmuls, attention over the row's cached
-positions, and a step that prefills runs eagerly on the full weights rather than the traced decode
-on the decode rows' quantized copies). On SmolLM2 with 8 rows decoding, one run: a 16-token chunk
-at position 100 took 51.5 ms, at 1,000 61 ms, at 1,900 94 ms, and 64 or 128 tokens at 1,000 took
-112 ms, against 30 ms for the decode-only step; an idle prefill of 2,000 tokens took 1.2-2.0 s.
+- what a prompt token prefilled beside decoding rows costs in idle ones (the chunk cost: smaller
+  matmuls, attention over the row's cached positions, and a step that prefills runs eagerly on the
+  full weights rather than the traced decode on the decode rows' quantized copies): each such
+  step's time beyond a decode-only step of its rows, over its tokens' idle cost; a moving average
+  from CHUNK_COST, held within MIN_CHUNK_COST..MAX_CHUNK_COST.
+
+The budget beside d decoding rows is (STALL_FACTOR - 1) x decode step(d) / (chunk cost x idle
+cost per token): a prefilling step is meant to take about STALL_FACTOR decode steps. On SmolLM2
+with 8 rows decoding, one run: a 16-token chunk at position 100 took 51.5 ms, at 1,000 61 ms, at
+1,900 94 ms, and 64 or 128 tokens at 1,000 took 112 ms, against 30 ms for the decode-only step; an
+idle prefill of 2,000 tokens took 1.2-2.0 s.
+
+The chunk cost was a constant, CHUNK_COST (1.35-2x measured where it was set), until a Xeon of
+family 6 model 207 with AMX (2026-12-05): there a 2,000-token prompt prefills alone at 0.38-0.50 ms
+a token (AMX runs its 2,000-row matmuls at 2.3 TFLOP/s and a 72-row one at 0.67), while a chunk's
+token beside 8 decoding rows cost 0.9-1.0 ms (the engine's `prefill_step` log: steps of 72-114
+tokens took 95-140 ms against a 30-ms decode step), 2.2-2.4 idle ones, so every mixed step ran over
+its 3.5 decode steps and the streams' largest gap reached 5.1-5.5x their TPOT. A step's cost that
+does not grow with its tokens (the eager step's operators, the switch from the int4 copies to the
+full weights) is counted into the chunk cost too, which is what makes the steps land on their
+target: with a fixed part F and the true cost c, the chunks settle at (target - F) / c tokens
+(the estimate's fixed point, stable while F is below the target's chunk share; beyond it the
+chunks shrink to their floor, MAX_CHUNK_COST bounding how far).
 
 Both costs are ratios of the same machine's speed, so the budget holds still when the machine
 slows down (other processes, a busy neighbour) instead of chasing it. A feedback on each
@@ -48,7 +64,8 @@ from engine_service.model.config import ModelConfig
 from engine_service.model.kv_cache import PromptChunk
 
 STALL_FACTOR = 3.5
-CHUNK_COST = 1.5  # a prompt token prefilled beside decoding rows costs about this many idle ones (1.35-2x measured)
+CHUNK_COST = 1.5  # a prompt token prefilled beside decoding rows: idle ones, before a mixed step is timed
+MIN_CHUNK_COST, MAX_CHUNK_COST = 1.0, 4.0  # the learned chunk cost's bounds (one step's noise, a fixed part)
 MIN_TOKENS = 16  # one prefix-cache block: a smaller chunk pays a step's fixed cost for little
 START_TOKENS = 96  # before the loop has timed a decode-only step and an idle prefill
 SMOOTHING = 0.3  # weight of the newest measurement in each moving average
@@ -71,6 +88,7 @@ class PrefillBudget:
         self.parity = parity
         self._decode: dict[int, float] = {}  # decoding rows -> seconds of a decode-only step
         self._token_idle: float | None = None  # seconds per prompt token at position 0, nothing decoding
+        self._chunk_cost = CHUNK_COST  # a prompt token beside decoding rows, in idle ones
 
     def tokens(self, decoding: int, position: int) -> int:
         """The budget of a step with `decoding` rows decoding (> 0; an idle step has its own rule)
@@ -80,7 +98,7 @@ class PrefillBudget:
         decode = self._decode_seconds(decoding)
         if decode is None or self._token_idle is None or self._token_idle <= 0:
             return START_TOKENS
-        weight = (STALL_FACTOR - 1) * decode / (CHUNK_COST * self._token_idle)  # tokens at position 0
+        weight = (STALL_FACTOR - 1) * decode / (self._chunk_cost * self._token_idle)  # tokens at position 0
         return max(MIN_TOKENS, min(self.max_tokens, int(self._fitting(weight, position))))
 
     def _fitting(self, weight: float, position: int) -> float:
@@ -102,6 +120,12 @@ class PrefillBudget:
                 self._decode[decoding] = _average(self._decode.get(decoding), seconds)
         elif decoding == 0:
             self._token_idle = _average(self._token_idle, seconds / self.weight(chunks))
+        else:
+            decode = self._decode_seconds(decoding)
+            if decode is None or self._token_idle is None or self._token_idle <= 0:
+                return  # nothing yet to count this step's cost against
+            cost = (seconds - decode) / (self.weight(chunks) * self._token_idle)
+            self._chunk_cost = _average(self._chunk_cost, min(MAX_CHUNK_COST, max(MIN_CHUNK_COST, cost)))
 
     def _decode_seconds(self, decoding: int) -> float | None:
         """A decode-only step's time at `decoding` rows, or at the nearest row count timed."""
@@ -114,7 +138,7 @@ class PrefillBudget:
     def describe(self) -> dict[str, object]:
         """The estimates, for logs."""
         return {"fixed": self.fixed, "parity": None if math.isinf(self.parity) else self.parity,
-                "token_ms_idle": _ms(self._token_idle),
+                "token_ms_idle": _ms(self._token_idle), "chunk_cost": round(self._chunk_cost, 3),
                 "decode_ms": {rows: _ms(s) for rows, s in sorted(self._decode.items())}}
 
 
