@@ -27,6 +27,11 @@ namespace {
 constexpr int64_t GROUP = 32;  // inputs a group: its scale, its low
 constexpr int64_t TILE = 16;   // output rows a vector holds
 constexpr int ROW_TILE = 4;    // rows of x a pass: 8 int sums, 4 float sums, 4 weight vectors
+// groups of a tile's values (256 bytes each) fetched ahead: a one-row call streams its bytes, and
+// the CPU's own prefetch leaves it at about 11 GB/s. SmolLM2's 120 layer projections from memory,
+// 2 threads, Xeon of family 6 model 207, ms at 1 / 8 rows, none, then 4, 8, 16, 32 groups ahead:
+// 5.36 / 8.50, 4.61 / 7.37, 4.09 / 7.02, 4.01 / 6.84, 4.10 / 6.89
+constexpr int64_t PREFETCH = 16;
 
 inline __m512 half_to_f32(const at::Half* x) {  // 16 float16 values, widened exactly
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
@@ -70,6 +75,8 @@ inline void tile_rows(const int16_t* xq, const float* d, const float* dsum, int6
     // two chains of dot products a row, so one row's latency is not one long chain
     __m512i even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_si512();
+    // (past the tile's end it reaches the next tile's, which this thread takes next; a prefetch never faults)
+    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(q + (g + PREFETCH) * 256 + c * 64), _MM_HINT_T0);
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_loadu_si512(q + (g * 4 + c) * 64);
       const __m512i w0 = _mm512_and_si512(v, nibble);
