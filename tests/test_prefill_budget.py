@@ -70,9 +70,26 @@ def test_a_mixed_steps_time_beyond_a_decode_step_teaches_the_chunk_cost() -> Non
     budget.observe(0, idle(500), 0.500)  # 1 ms a token idle
     budget.observe(8, [PromptChunk(8, 0, 50)], 0.040 + 0.150)  # 50 tokens beside 8 rows: 3 ms each, 3 idle ones
     learned = CHUNK_COST + SMOOTHING * (3.0 - CHUNK_COST)
-    assert budget.describe()["chunk_cost"] == round(learned, 3)
+    assert budget.describe()["chunk_cost"] == {8: round(learned, 3)}
     assert budget.tokens(8, 0) == int((STALL_FACTOR - 1) * 0.040 / (learned * 0.001))
     assert budget.tokens(8, 0) < expected(0.040, 0.001)  # dearer chunk tokens: smaller chunks
+
+
+def test_each_number_of_decoding_rows_learns_its_own_chunk_cost() -> None:
+    # beside 8 rows a mixed step leaves the int4 copies the decode-only step runs on; beside 16 it does not
+    budget = PrefillBudget(None, 4096)
+    budget.observe(8, NONE, 0.030)
+    budget.observe(16, NONE, 0.050)
+    budget.observe(0, idle(500), 0.500)  # 1 ms a token idle
+    for _ in range(40):
+        budget.observe(8, [PromptChunk(8, 0, 20)], 0.030 + 20 * 0.0035)  # 3.5 idle tokens a chunk token
+        budget.observe(16, [PromptChunk(16, 0, 100)], 0.050 + 100 * 0.0011)  # 1.1
+    costs = budget.describe()["chunk_cost"]
+    assert costs == {8: pytest.approx(3.5, abs=1e-3), 16: pytest.approx(1.1, abs=1e-3)}
+    assert budget.tokens(8, 0) == int(2.5 * 0.030 / (costs[8] * 0.001)) > MIN_TOKENS
+    assert budget.tokens(16, 0) == int(2.5 * 0.050 / (costs[16] * 0.001))
+    # 12 rows: the decode step of the nearer-and-fewer row count (8), the chunk cost not yet timed: the prior
+    assert budget.tokens(12, 0) == int(2.5 * 0.030 / (CHUNK_COST * 0.001))
 
 
 def test_a_chunk_at_a_later_position_is_counted_by_its_weight() -> None:
@@ -82,7 +99,7 @@ def test_a_chunk_at_a_later_position_is_counted_by_its_weight() -> None:
     idle_token = 0.100 / budget.weight(idle(100))
     chunk = [PromptChunk(8, 1000, 20)]  # weight 20 x (1 + 1009.5 / 1000)
     budget.observe(8, chunk, 0.040 + 2 * budget.weight(chunk) * idle_token)
-    assert budget.describe()["chunk_cost"] == round(CHUNK_COST + SMOOTHING * (2 - CHUNK_COST), 3)
+    assert budget.describe()["chunk_cost"] == {8: round(CHUNK_COST + SMOOTHING * (2 - CHUNK_COST), 3)}
 
 
 @pytest.mark.parametrize(("extra", "cost"), [(0.0, MIN_CHUNK_COST), (-0.010, MIN_CHUNK_COST), (10.0, MAX_CHUNK_COST)])
@@ -92,7 +109,7 @@ def test_the_learned_chunk_cost_is_held_within_its_bounds(extra: float, cost: fl
     budget.observe(0, idle(500), 0.500)
     for _ in range(60):  # a step no dearer than a decode step, or a stall of seconds, again and again
         budget.observe(8, [PromptChunk(8, 0, 50)], 0.040 + extra)
-    assert budget.describe()["chunk_cost"] == pytest.approx(cost, abs=1e-3)
+    assert budget.describe()["chunk_cost"] == {8: pytest.approx(cost, abs=1e-3)}
 
 
 def test_a_mixed_step_before_both_costs_are_timed_teaches_nothing() -> None:
@@ -100,10 +117,10 @@ def test_a_mixed_step_before_both_costs_are_timed_teaches_nothing() -> None:
     budget.observe(8, [PromptChunk(8, 0, 50)], 1.0)  # neither cost yet
     budget.observe(8, NONE, 0.040)
     budget.observe(8, [PromptChunk(8, 0, 50)], 1.0)  # no idle cost yet
-    assert budget.describe()["chunk_cost"] == CHUNK_COST
+    assert budget.describe()["chunk_cost"] == {}
     budget.observe(0, idle(500), 0.0)  # an idle prefill timed at zero: no cost to count against
     budget.observe(8, [PromptChunk(8, 0, 50)], 1.0)
-    assert budget.describe()["chunk_cost"] == CHUNK_COST
+    assert budget.describe()["chunk_cost"] == {}
 
 
 def test_with_a_fixed_part_the_chunks_settle_where_the_step_takes_its_target() -> None:
@@ -149,13 +166,13 @@ def test_the_decode_step_of_the_nearest_row_count_serves_and_averages_move() -> 
 
 def test_describe_gives_each_estimate_in_milliseconds_to_the_microsecond() -> None:
     budget = PrefillBudget(None, 4096)
-    assert budget.describe() == {"fixed": None, "parity": None, "token_ms_idle": None, "chunk_cost": CHUNK_COST,
+    assert budget.describe() == {"fixed": None, "parity": None, "token_ms_idle": None, "chunk_cost": {},
                                  "decode_ms": {}}
     budget.observe(0, idle(1000), 1.2345678)  # 1.2345678 ms a token
     budget.observe(3, NONE, 0.0456789)
     budget.observe(3, [PromptChunk(3, 0, 10)], 0.0456789 + 10 * 2.1234567 * 0.0012345678)
     chunk_cost = round(CHUNK_COST + SMOOTHING * (2.1234567 - CHUNK_COST), 3)
-    assert budget.describe() == {"fixed": None, "parity": None, "token_ms_idle": 1.235, "chunk_cost": chunk_cost,
+    assert budget.describe() == {"fixed": None, "parity": None, "token_ms_idle": 1.235, "chunk_cost": {3: chunk_cost},
                                  "decode_ms": {3: 45.679}}
     assert PrefillBudget(None, 4096, parity=3072.0).describe()["parity"] == 3072.0
     assert PrefillBudget(96, 4096).describe()["fixed"] == 96

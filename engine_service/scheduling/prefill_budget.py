@@ -7,11 +7,13 @@ from one CPU to another: a token count tuned on one does not (96 tokens kept the
 - an idle prefill's seconds per prompt token (steps that prefill with nothing decoding: whole
   prompts, the cheapest tokens there are).
 
-- what a prompt token prefilled beside decoding rows costs in idle ones (the chunk cost: smaller
-  matmuls, attention over the row's cached positions, and a step that prefills runs eagerly on the
-  full weights rather than the traced decode on the decode rows' quantized copies): each such
-  step's time beyond a decode-only step of its rows, over its tokens' idle cost; a moving average
-  from CHUNK_COST, held within MIN_CHUNK_COST..MAX_CHUNK_COST.
+- what a prompt token prefilled beside d decoding rows costs in idle ones (the chunk cost:
+  smaller matmuls, attention over the row's cached positions, and a step that prefills runs
+  eagerly on the full weights rather than the traced decode on the decode rows' quantized copies):
+  each such step's time beyond a decode-only step of its rows, over its tokens' idle cost; a moving
+  average per number of decoding rows (up to 8 rows a decode-only step runs on the int4 copies and
+  a mixed one does not; above, both run on the full weights), from CHUNK_COST, held within
+  MIN_CHUNK_COST..MAX_CHUNK_COST.
 
 The budget beside d decoding rows is (STALL_FACTOR - 1) x decode step(d) / (chunk cost x idle
 cost per token): a prefilling step is meant to take about STALL_FACTOR decode steps. On SmolLM2
@@ -88,7 +90,7 @@ class PrefillBudget:
         self.parity = parity
         self._decode: dict[int, float] = {}  # decoding rows -> seconds of a decode-only step
         self._token_idle: float | None = None  # seconds per prompt token at position 0, nothing decoding
-        self._chunk_cost = CHUNK_COST  # a prompt token beside decoding rows, in idle ones
+        self._chunk_cost: dict[int, float] = {}  # decoding rows -> a prompt token beside them, in idle ones
 
     def tokens(self, decoding: int, position: int) -> int:
         """The budget of a step with `decoding` rows decoding (> 0; an idle step has its own rule)
@@ -98,7 +100,8 @@ class PrefillBudget:
         decode = self._decode_seconds(decoding)
         if decode is None or self._token_idle is None or self._token_idle <= 0:
             return START_TOKENS
-        weight = (STALL_FACTOR - 1) * decode / (self._chunk_cost * self._token_idle)  # tokens at position 0
+        chunk_cost = self._chunk_cost.get(decoding, CHUNK_COST)
+        weight = (STALL_FACTOR - 1) * decode / (chunk_cost * self._token_idle)  # tokens at position 0
         return max(MIN_TOKENS, min(self.max_tokens, int(self._fitting(weight, position))))
 
     def _fitting(self, weight: float, position: int) -> float:
@@ -125,7 +128,8 @@ class PrefillBudget:
             if decode is None or self._token_idle is None or self._token_idle <= 0:
                 return  # nothing yet to count this step's cost against
             cost = (seconds - decode) / (self.weight(chunks) * self._token_idle)
-            self._chunk_cost = _average(self._chunk_cost, min(MAX_CHUNK_COST, max(MIN_CHUNK_COST, cost)))
+            self._chunk_cost[decoding] = _average(self._chunk_cost.get(decoding, CHUNK_COST),
+                                                  min(MAX_CHUNK_COST, max(MIN_CHUNK_COST, cost)))
 
     def _decode_seconds(self, decoding: int) -> float | None:
         """A decode-only step's time at `decoding` rows, or at the nearest row count timed."""
@@ -138,7 +142,8 @@ class PrefillBudget:
     def describe(self) -> dict[str, object]:
         """The estimates, for logs."""
         return {"fixed": self.fixed, "parity": None if math.isinf(self.parity) else self.parity,
-                "token_ms_idle": _ms(self._token_idle), "chunk_cost": round(self._chunk_cost, 3),
+                "token_ms_idle": _ms(self._token_idle),
+                "chunk_cost": {rows: round(c, 3) for rows, c in sorted(self._chunk_cost.items())},
                 "decode_ms": {rows: _ms(s) for rows, s in sorted(self._decode.items())}}
 
 
