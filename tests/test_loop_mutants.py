@@ -335,7 +335,9 @@ def test_a_step_that_prefills_beside_decoding_rows_logs_prefill_step(monkeypatch
     assert log.calls == []
     h.submit(request("b", max_new=5))
     h.step()
-    estimates = {"fixed": 48, "parity": None, "token_ms_idle": 6.17, "decode_ms": {1: 12.34}}  # 12.34 ms for a's 2 prompt tokens
+    # 12.34 ms for a's 2 prompt tokens; b's chunk beside a took no longer than a's decode step: a chunk
+    # token that cost nothing counts as one idle token (the least), averaged into the prior 1.5
+    estimates = {"fixed": 48, "parity": None, "token_ms_idle": 6.17, "chunk_cost": {1: 1.35}, "decode_ms": {1: 12.34}}
     assert budget.describe() == estimates
     assert log.calls == [("debug", "prefill_step", {"decoding": 1, "tokens": 2, "position": 0, "budget": 48, "ms": 12.3,
                                                      **estimates})]

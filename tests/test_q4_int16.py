@@ -29,6 +29,7 @@ from engine_service.model.quantize import (
     quantize_q4_int16,
 )
 from engine_service.runtime.model_runner import ModelRunner
+from tests.compiled_steps import greedy_of_both_steps
 from tests.engines import EngineProcess
 
 CPU = torch.device("cpu")
@@ -257,14 +258,5 @@ def test_the_compiled_one_row_step_calls_the_int16_kernel_and_follows_the_trace(
                          int4_kernel="int16")
     assert runner.compiled_decode == "on"
     assert all(isinstance(p.quantized, Q4Int16Weight) for p in model.projections()[:-1])
-    picks = {}
-    for name, step in (("compiled", runner._decode), ("traced", runner._decode._fallback)):  # type: ignore[attr-defined]
-        runner.cache.k.zero_()
-        runner.cache.v.zero_()
-        model.prefill(torch.tensor([[5, 6, 7, 8]]), torch.tensor([4]), runner.cache, 0)
-        token, tokens = torch.tensor([9]), []
-        for position in range(4, 14):
-            token = step(token, torch.tensor([position])).argmax(-1)
-            tokens.append(int(token))
-        picks[name] = tokens
+    picks = greedy_of_both_steps(runner)
     assert picks["compiled"] == picks["traced"]

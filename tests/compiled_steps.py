@@ -1,0 +1,24 @@
+"""The compiled one-row step and the trace it falls back to, run alike: the int4 kernels' tests hold
+the library built over their copies to the trace's greedy tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_service.runtime.model_runner import ModelRunner
+
+
+def greedy_of_both_steps(runner: ModelRunner, steps: int = 10) -> dict[str, list[int]]:
+    """The greedy tokens of the runner's compiled step and of its trace, each after the same
+    4-token prompt prefilled into a zeroed cache, `steps` tokens each."""
+    picks = {}
+    for name, step in (("compiled", runner._decode), ("traced", runner._decode._fallback)):  # type: ignore[attr-defined]
+        runner.cache.k.zero_()
+        runner.cache.v.zero_()
+        runner.model.prefill(torch.tensor([[5, 6, 7, 8]]), torch.tensor([4]), runner.cache, 0)
+        token, tokens = torch.tensor([9]), []
+        for position in range(4, 4 + steps):
+            token = step(token, torch.tensor([position])).argmax(-1)
+            tokens.append(int(token))
+        picks[name] = tokens
+    return picks
