@@ -170,8 +170,8 @@ def test_describe_gives_each_estimate_in_milliseconds_to_the_microsecond() -> No
                                  "decode_ms": {}}
     budget.observe(0, idle(1000), 1.2345678)  # 1.2345678 ms a token
     budget.observe(3, NONE, 0.0456789)
-    budget.observe(3, [PromptChunk(3, 0, 10)], 0.0456789 + 10 * 2.1234567 * 0.0012345678)
-    chunk_cost = round(CHUNK_COST + SMOOTHING * (2.1234567 - CHUNK_COST), 3)
+    budget.observe(3, [PromptChunk(3, 0, 10)], 0.0456789 + 10 * 2.1254567 * 0.0012345678)
+    chunk_cost = round(CHUNK_COST + SMOOTHING * (2.1254567 - CHUNK_COST), 3)  # 1.68763701: 1.688, not 1.6876
     assert budget.describe() == {"fixed": None, "parity": None, "token_ms_idle": 1.235, "chunk_cost": {3: chunk_cost},
                                  "decode_ms": {3: 45.679}}
     assert PrefillBudget(None, 4096, parity=3072.0).describe()["parity"] == 3072.0
