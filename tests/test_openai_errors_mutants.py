@@ -17,17 +17,28 @@ import pytest
 
 from bench_client.openai_errors import (
     ErrorBody,
+    _dump,
     code_for_status,
     from_error_frame,
+    from_first_error_frame,
     from_http_response,
     json_int,
     json_str,
+    malformed_answer,
     malformed_event,
     read_error_body,
     retry_after,
     transport_failure,
 )
-from shared.errors import EngineUnavailable, PermissionDenied, StreamError, TransportError, Unauthenticated, wire_code
+from shared.errors import (
+    EngineUnavailable,
+    InvalidRequest,
+    PermissionDenied,
+    StreamError,
+    TransportError,
+    Unauthenticated,
+    wire_code,
+)
 
 URL = "http://127.0.0.1:9/v1/completions"
 
@@ -172,3 +183,37 @@ def test_retry_after_date_corners() -> None:
 ])
 def test_codes_of_unlisted_statuses(status: int, code: grpc.StatusCode) -> None:
     assert code_for_status(status) is code
+
+
+# -- found by `make mutate` once tests/test_bench_tgi.py and test_openai_http.py joined its selection --
+
+def test_a_malformed_answer_names_the_url_and_the_body_cut_at_200_with_bad_bytes_replaced() -> None:
+    err = malformed_answer(URL, b"\xff" + b"a" * 300, "no choices")
+    assert str(err) == f"{URL}: unreadable answer (no choices): {chr(0xFFFD) + 'a' * 196 + '...'!r}"
+    assert err.metadata == {"httpStatus": "200"} and err.http_status == 200
+    assert err.status_code == grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
+    assert str(malformed_answer(URL, b"a" * 200, "why")).endswith(f"{'a' * 200!r}")  # 200: not cut
+
+
+def test_tgis_validation_frame_by_its_type_is_the_refusal_whatever_its_wording() -> None:
+    typed = from_first_error_frame({"error": {"message": "odd wording", "type": "validation", "http_status_code": 422}})
+    assert isinstance(typed, InvalidRequest) and typed.http_status == 422
+    # a string error is no OpenAI-shaped frame, whatever it holds: its wording decides nothing
+    plain = from_first_error_frame({"error": "Input validation error: http_status_code"})
+    assert isinstance(plain, StreamError) and not isinstance(plain, InvalidRequest)
+
+
+def test_a_value_nested_too_deep_to_dump_is_named_by_its_type() -> None:
+    nested: list = []
+    for _ in range(100_000):
+        nested = [nested]
+    assert _dump(nested) == "(a list nested too deep to show)"
+
+
+def test_json_int_reads_at_most_18_digits() -> None:
+    assert json_int("9" * 18) == 10**18 - 1
+    assert json_int("9" * 19) is None
+
+
+def test_a_retry_after_of_hundreds_of_digits_is_no_delay() -> None:
+    assert retry_after({"Retry-After": "9" * 400}) is None

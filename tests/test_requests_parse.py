@@ -611,3 +611,11 @@ def test_tokenize_refusals(fields, template, tokenizer, field: str, message: str
 def test_tokenize_text_ignores_the_chat_template() -> None:
     tokenizer = Bytes()
     assert tokenize(tokenizer, NeverRendered(), text="a") == (256, 97)  # type: ignore[arg-type]
+
+
+def test_tokenize_without_special_tokens_passes_the_choice_to_the_tokenizer() -> None:
+    # vLLM's /tokenize add_special_tokens=false: the text's own tokens, no BOS (found by `make mutate`)
+    bytes_ = Bytes()
+    assert parse_tokenize(pb.TokenizeRequest(text="hi"), LIMITS, bytes_, None, add_special_tokens=False) == (104, 105)
+    assert parse_tokenize(pb.TokenizeRequest(text="hi"), LIMITS, bytes_, None) == (256, 104, 105)
+    assert bytes_.calls == [("hi", False), ("hi", True)]
