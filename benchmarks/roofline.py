@@ -237,7 +237,7 @@ def count_bytes(model_spec: str, info: ServerInfo, context: int) -> StepBytes:
         raise RooflineError(f"{step}: the engine serves {info.model!r}, the model here is {loaded.name!r} "
                             f"(a --model inside --engine-args? use --model)")
     dynamic_head_bits, _ = choose_dynamic_head(info.quantization, "cpu", detect())  # as the engine chose on this machine
-    # the engine's int4 kernels' copies where it says it built them (their scales are float32)
+    # the engine's int4 kernels' copies where it says it serves them (their scales: float32, float16)
     int4_kernel = ("float32" if Q4_KERNEL_ON in info.precision_reason else
                    "int16" if Q4_INT16_KERNEL_ON in info.precision_reason else "torch")
     runner = ModelRunner(loaded.model, 1, max(context, 1), device, dtype, info.quantization, trace_decode=False,

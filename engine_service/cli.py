@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--int4-kernel", default="auto", choices=INT4_KERNEL_CHOICES,
                    help="auto: the int4 layers multiply in one of the engine's int4 kernels where a C++ compiler is "
                         "found (built at the first start, about 10 s, then kept beside the compiled step's library) "
-                        "and it beats torch's in a start-up race on the model's largest layer (about 20 ms): a "
+                        "and it beats torch's in a start-up race on the model's largest layer (35-75 ms): a "
                         "float32 model's in the float32 one where the CPU has AVX2 and FMA, a bfloat16 model's in the "
                         "int16 one (16-bit integer dot products) where it has AVX-512 VNNI and BF16; engine: the "
                         "same kernels without the race; torch: torch's int4 kernel, which computes in bfloat16. "

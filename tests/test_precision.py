@@ -279,9 +279,20 @@ def test_the_int16_kernel_serves_a_bfloat16_models_int4_layers_where_vnni_bf16_a
 
 
 def test_the_races_answer_names_the_winner_and_the_times() -> None:
-    assert keep_q4_kernel("int16", True, (24.4, 125.0), (59.3, 265.5), 8) == (
+    assert keep_q4_kernel("int16", (24.4, 125.0), (59.3, 265.5), 8) == (
         "int16", "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up): 24 / 125 us against "
                  "torch's 59 / 266 for the model's gate/up at 1 / 8 rows, in a start-up race")
-    assert keep_q4_kernel("float32", False, (140.0, 1200.0), (97.0, 800.0), 24) == (
+    assert keep_q4_kernel("float32", (140.0, 1200.0), (97.0, 800.0), 24) == (
         "torch", "int4 layers in torch's bfloat16 kernel: the float32 one took 140 / 1200 us against torch's "
                  "97 / 800 for the model's gate/up at 1 / 24 rows, in a start-up race")
+
+
+@pytest.mark.parametrize(("ours", "theirs", "faster"), [
+    ((10.0, 100.0), (20.0, 100.0), True),  # faster at one row, level at 8
+    ((30.0, 40.0), (20.0, 100.0), True),  # 1.5x slower at one row, 2.5x faster at 8: the mean wins
+    ((10.0, 300.0), (20.0, 100.0), False),  # 2x faster at one row, 3x slower at 8
+    ((20.0, 100.0), (20.0, 100.0), False),  # level: torch's kernel stays
+])
+def test_the_race_keeps_the_engines_kernel_where_its_ratios_geometric_mean_is_below_one(
+        ours: tuple[float, float], theirs: tuple[float, float], faster: bool) -> None:
+    assert (keep_q4_kernel("int16", ours, theirs, 8)[0] == "int16") is faster

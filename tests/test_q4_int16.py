@@ -220,17 +220,6 @@ def test_auto_races_the_kernel_against_torchs_and_serves_the_winner_with_the_tim
     assert ready["precision_reason"] == reason
 
 
-@pytest.mark.parametrize(("ours", "theirs", "faster"), [
-    ((10.0, 100.0), (20.0, 100.0), True),  # faster at one row, level at 8
-    ((30.0, 40.0), (20.0, 100.0), True),  # 1.5x slower at one row, 2.5x faster at 8: the mean wins
-    ((10.0, 300.0), (20.0, 100.0), False),  # 2x faster at one row, 3x slower at 8
-    ((20.0, 100.0), (20.0, 100.0), False),  # level: torch's kernel stays
-])
-def test_the_race_keeps_the_engines_kernel_where_its_ratios_geometric_mean_is_below_one(
-        ours: tuple[float, float], theirs: tuple[float, float], faster: bool) -> None:
-    assert int4_race.Race("int16", 8, ours, theirs).ours_faster is faster
-
-
 @needs_kernel
 def test_a_race_times_both_kernels_on_the_models_own_shape(kernel: Path) -> None:
     config = load_model("tiny", CPU, torch.bfloat16).config

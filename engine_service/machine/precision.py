@@ -125,14 +125,15 @@ def choose_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu
     return kernel, on if requested == "auto" else f"{on}: --int4-kernel engine"
 
 
-def keep_q4_kernel(kernel: str, faster: bool, ours_us: tuple[float, float], torch_us: tuple[float, float],
+def keep_q4_kernel(kernel: str, ours_us: tuple[float, float], torch_us: tuple[float, float],
                    rows: int) -> tuple[str, str]:
     """(who multiplies the int4 layers, reason) after the start-up race (model/int4_race.py) of the
-    engine's `kernel` (float32 or int16) against torch's int4 kernel, which says whether ours was
-    `faster` and the times a call at one row and at `rows`: the faster, with the times."""
+    engine's `kernel` (float32 or int16) against torch's int4 kernel, from their times a call at one
+    row and at `rows`: the engine's kernel where the geometric mean of its two ratios to torch's is
+    below 1 (one stream and a full batch of its rows weigh alike), with the times."""
     figures = (f"{ours_us[0]:.0f} / {ours_us[1]:.0f} us against torch's {torch_us[0]:.0f} / {torch_us[1]:.0f} "
                f"for the model's gate/up at 1 / {rows} rows, in a start-up race")
-    if faster:
+    if (ours_us[0] / torch_us[0]) * (ours_us[1] / torch_us[1]) < 1:
         return kernel, f"{KERNEL_ON[kernel]}: {figures}"
     return "torch", f"int4 layers in {TORCH_INT4[kernel]}: the {kernel} one took {figures}"
 

@@ -12,9 +12,9 @@ would be the slower choice on the next.
 What is timed: the model's gate/up (2 x intermediate by hidden, random weights), the largest call of
 a step, at one row and at the copies' largest row count, calls from the cache (the per-call cost the
 race is about; a step's weights come from memory at about the same rate for both, the same bytes
-give or take the scales), alternating, ROUNDS rounds after two warm-up ones, the median of each. The
-engine's kernel is kept where the geometric mean of its two ratios to torch's is below 1 (one
-stream and a full batch of its rows weigh alike). 35-75 ms on 2 cores. On a Xeon of family 6 model
+give or take the scales), alternating, ROUNDS rounds after two warm-up ones, the median of each
+(`keep_q4_kernel` keeps the engine's kernel where the geometric mean of its two ratios to torch's is
+below 1). 35-75 ms on 2 cores. On a Xeon of family 6 model
 207 (AMX, 2 threads), us a call at one row / the copies' rows: the int16 kernel 42-45 / 124-125 at 8
 against torch's 77-79 / 265-276, kept; the float32 kernel (a float32 model's, `--dtype float32`)
 135-148 / 1,123-1,269 at 24 against torch's native bfloat16 94-100 / 778-850, not kept.
@@ -48,11 +48,6 @@ class Race:
     rows: int  # the larger row count timed: the copies' max_rows
     ours_us: tuple[float, float]  # its median microseconds a call at one row and at `rows`
     torch_us: tuple[float, float]  # torch's int4 kernel's, the same calls
-
-    @property
-    def ours_faster(self) -> bool:
-        """The geometric mean of the two ratios ours / torch's is below 1."""
-        return (self.ours_us[0] / self.torch_us[0]) * (self.ours_us[1] / self.torch_us[1]) < 1
 
 
 def race(kernel: str, config: ModelConfig, dtype: torch.dtype) -> Race:

@@ -13,10 +13,9 @@ with the C++ compiler the compiled step uses, for a model's int4 copies where to
   The call's rows are quantized to 16 bits per group of 32 inputs (far finer than bfloat16's own 8
   bits of precision), and 16-bit integer dot products (`vpdpwssd`) multiply them by the 4-bit
   values, 16 output rows a vector. Torch's kernel widens every value to float32 and is bound by
-  that arithmetic at few rows: SmolLM2's 120 layer projections (30 distinct layers, 53 MB, read
-  from memory, 2 threads, AMD EPYC of family 25 model 17) took `docs/decode-speed.md`'s figures
-  ("A 16-bit integer int4 kernel"), where 8-bit activations (llama.cpp's Q8_0 arithmetic), no
-  faster where memory binds, are also measured and why they are not kept.
+  that arithmetic at few rows. Measured on an Intel Xeon of family 6 model 207 with AMX (SmolLM2's
+  layers, 2 threads): `docs/decode-speed.md`, "A 16-bit integer int4 kernel". Where it beats
+  torch's is decided at start-up by a race (int4_race.py), not assumed.
 
 A library is compiled once (about 10 s) into the compile cache (compiled_decode.cache_dir, a
 `<name>-<digest>.so` keyed on the source, torch's version and the compiler) and loaded from there

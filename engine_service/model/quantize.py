@@ -267,6 +267,18 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return q, scale, low
 
 
+def _engine_int4_copy(weight: torch.Tensor, kernel: str, max_rows: int | None) -> Q4Weight | Q4Int16Weight | None:
+    """The int4 copy for one of the engine's kernels (`kernel`: float32 or int16) where it takes this
+    weight (a float32 one; a bfloat16 one of whole 16-row tiles), serving up to `max_rows` rows (None:
+    the kernel's own limit); None where torch's kernel keeps it."""
+    rows = INT4_KERNEL_MAX_ROWS.get(kernel, 0) if max_rows is None else max_rows
+    if kernel == "float32" and weight.dtype == torch.float32:
+        return quantize_q4(weight, rows)
+    if kernel == "int16" and weight.dtype == torch.bfloat16 and weight.shape[0] % q4_matmul.TILE == 0:
+        return quantize_q4_int16(weight, rows)
+    return None
+
+
 def quantize_model(projections: Sequence[Projection], method: str, max_rows: int | None = None,
                    dynamic_head_bits: int = 0, int4_kernel: str = "torch") -> None:
     """Give every projection of a model, the LM head last (`LlamaForCausalLM.projections()`, packed:
@@ -290,17 +302,10 @@ def quantize_model(projections: Sequence[Projection], method: str, max_rows: int
         for packed in layers:
             weight = packed.weight
             assert weight is not None  # packed, not yet quantized
-            if method == "int4" and int4_kernel == "float32" and weight.dtype == torch.float32:
-                packed.quantized = quantize_q4(weight, layer_max_rows(method, torch.float32) if max_rows is None
-                                               else max_rows)
-                continue
-            if (method == "int4" and int4_kernel == "int16" and weight.dtype == torch.bfloat16
-                    and weight.shape[0] % q4_matmul.TILE == 0):
-                packed.quantized = quantize_q4_int16(weight, INT16_KERNEL_INT4_MAX_ROWS if max_rows is None
-                                                    else max_rows)
-                continue
-            packed.quantized = layer_quantizer(weight, layer_max_rows(method, weight.dtype) if max_rows is None
-                                               else max_rows, kernel_dtype(weight.dtype))
+            ours = _engine_int4_copy(weight, int4_kernel, max_rows) if method == "int4" else None
+            packed.quantized = ours if ours is not None else layer_quantizer(
+                weight, layer_max_rows(method, weight.dtype) if max_rows is None else max_rows,
+                kernel_dtype(weight.dtype))
         if dynamic_head_bits:
             head.quantized = quantize_dynamic_int8(head.weight, DYNAMIC_HEAD_MAX_ROWS if max_rows is None  # type: ignore[arg-type]
                                                    else max_rows, dynamic_head_bits)

@@ -124,9 +124,10 @@ def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu:
     if requested != "auto":
         return kernel, reason
     result = int4_race.race(kernel, config, DTYPES[dtype])
-    log.info("q4_kernel_raced", kernel=kernel, rows=result.rows, kept=result.ours_faster,
+    kept, reason = keep_q4_kernel(kernel, result.ours_us, result.torch_us, result.rows)
+    log.info("q4_kernel_raced", kernel=kernel, rows=result.rows, kept=kept == kernel,
              ours_us=[round(t, 1) for t in result.ours_us], torch_us=[round(t, 1) for t in result.torch_us])
-    return keep_q4_kernel(kernel, result.ours_faster, result.ours_us, result.torch_us, result.rows)
+    return kept, reason
 
 
 def _engine_info(cfg: EngineConfig, loaded: LoadedModel, precision: Precision, device: torch.device,
