@@ -19,6 +19,7 @@ from engine.v1 import engine_pb2_grpc
 from engine_service.machine.cpu import detect
 from engine_service.machine.precision import INT16_KERNEL_FLAGS, find_cpp_compiler
 from engine_service.model import int4_race, q4_matmul
+from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.loader import load_model
 from engine_service.model.quantize import (
     Int4Weight,
@@ -39,10 +40,11 @@ needs_kernel = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def kernel() -> Path:
+    # the engine's own compile cache: the library these tests load is the one their engines build, once
     compiler = find_cpp_compiler()
     assert compiler is not None
-    return q4_matmul.load(compiler, tmp_path_factory.mktemp("q4"), q4_matmul.KERNELS["int16"])
+    return q4_matmul.load(compiler, cache_dir(), q4_matmul.KERNELS["int16"])
 
 
 def dequantized(weight: torch.Tensor) -> torch.Tensor:

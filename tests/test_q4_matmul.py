@@ -19,6 +19,7 @@ from engine_service.config import EngineConfig
 from engine_service.machine.cpu import detect
 from engine_service.machine.precision import choose_dynamic_head, find_cpp_compiler
 from engine_service.model import q4_matmul
+from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.loader import load_model
 from engine_service.model.quantize import Int4Weight, Int8Weight, Q4Weight, int4_groups, quantize_model, quantize_q4
 from engine_service.runtime.model_runner import ModelRunner
@@ -32,10 +33,11 @@ needs_kernel = pytest.mark.skipif(find_cpp_compiler() is None or not {"avx2", "f
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def kernel() -> Path:
+    # the engine's own compile cache: the library these tests load is the one their engines build, once
     compiler = find_cpp_compiler()
     assert compiler is not None
-    return q4_matmul.load(compiler, tmp_path_factory.mktemp("q4"))
+    return q4_matmul.load(compiler, cache_dir())
 
 
 def dequantized(weight: torch.Tensor) -> torch.Tensor:
