@@ -56,6 +56,12 @@ def test_greedy_tokens_are_those_of_plain_decoding(engines, at_once: int) -> Non
         assert any(len(m.token_ids) > 1 for r in got for m in r)
 
 
+def test_one_row_verify_steps_are_traced(engines) -> None:  # type: ignore[no-untyped-def]
+    plain, spec = engines
+    assert [e["sizes"] for e in spec.events_named("verify_traced")] == [[2, 4, 6]]
+    assert plain.events_named("verify_traced") == []
+
+
 def test_sampled_requests_end_as_asked(engines) -> None:  # type: ignore[no-untyped-def]
     _, spec = engines
     sampling = pb.SamplingParams(temperature=0.8, top_k=20, seed=7)

@@ -89,3 +89,11 @@ def chunk_mask(chunk: PromptChunk, device: torch.device) -> torch.Tensor:
     keys = torch.arange(chunk.start + chunk.length, device=device)
     queries = torch.arange(chunk.start, chunk.start + chunk.length, device=device)
     return keys[None, :] <= queries[:, None]
+
+
+def rows_mask(positions: torch.Tensor) -> torch.Tensor:
+    """(B, 1, n, L) for B rows fed n tokens each at `positions` (B, n): True where a token attends,
+    keys 0..its own position; L = the largest position + 1 (a host sync). `decode_mask` is n = 1."""
+    length = int(positions.max()) + 1
+    span = torch.arange(length, device=positions.device)
+    return (span <= positions[..., None]).unsqueeze(1)

@@ -152,11 +152,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
                 slots: torch.Tensor, mask: torch.Tensor | None, chunks: Sequence[PromptChunk],
                 masks: Sequence[torch.Tensor | None], cache: KVCache) -> torch.Tensor:
-        """x (1, M, hidden): first one token for each of rows 0..d-1 (`rows`), written to the cache
-        at `slots` (KVCache.decode_slots), attending as `mask` (d, 1, 1, L) says; then the chunks'
-        tokens, one chunk after another. The projections run over all M tokens at once; attention
-        reads views of the cache, never a gather: the decoding rows as one batch, each chunk over
-        its own row, as its mask in `masks` says (None: a chunk from position 0, plain causal)."""
+        """x (1, M, hidden): first d decoding tokens, n for each of rows 0..b-1 in turn (`rows`
+        (d,) their rows; n = 1 but in a verify step), written to the cache at `slots`
+        (KVCache.decode_slots), attending as `mask` (b, 1, n, L) says; then the chunks' tokens,
+        one chunk after another. The projections run over all M tokens at once; attention reads
+        views of the cache, never a gather: the decoding rows as one batch, each chunk over its own
+        row, as its mask in `masks` says (None: a chunk from position 0, plain causal)."""
         width = self.heads * self.head_dim
         gqa = self.heads != self.kv_heads
         q, k, v = self._qkv(x, cos, sin)  # q (1, H, M, D), k/v (1, KV, M, D)
@@ -164,15 +165,22 @@ class Attention(nn.Module):
         outs = []
         if d:
             cache.write_decode(self.layer, slots, k[0].narrow(1, 0, d), v[0].narrow(1, 0, d))
-            length = mask.shape[-1]  # type: ignore[union-attr]
-            # the G query heads that share a KV head as G query rows against it, (d, KV, G, D):
+            b, n, length = mask.shape[0], mask.shape[2], mask.shape[-1]  # type: ignore[union-attr]
+            g, kv, dim = self.heads // self.kv_heads, self.kv_heads, self.head_dim
+            # the G query heads that share a KV head as G query rows against it, (b, KV, G, D):
             # the same attention as enable_gqa's (head h reads KV head h // G), in a fraction of
             # its time on CPU (bfloat16, SmolLM2, one row at 210 positions, 1 thread: 38 us
             # against 199; 8 rows 246 against 1,551; 32 rows 1,006 against 6,413)
-            out = F.scaled_dot_product_attention(
-                q[0].narrow(1, 0, d).transpose(0, 1).reshape(d, self.kv_heads, self.heads // self.kv_heads, self.head_dim),
-                cache.k[self.layer].narrow(0, 0, d).narrow(2, 0, length),
-                cache.v[self.layer].narrow(0, 0, d).narrow(2, 0, length), attn_mask=mask)
+            if n == 1:
+                qd = q[0].narrow(1, 0, d).transpose(0, 1).reshape(b, kv, g, dim)
+            else:  # n tokens a row (a verify step): (b, KV, G * n, D), head-major, and the mask's rows alike
+                qd = q[0].narrow(1, 0, d).unflatten(1, (b, n)).transpose(0, 1).reshape(b, kv, g * n, dim)
+                mask = mask.repeat(1, 1, g, 1)  # type: ignore[union-attr]
+            out = F.scaled_dot_product_attention(qd, cache.k[self.layer].narrow(0, 0, b).narrow(2, 0, length),
+                                                 cache.v[self.layer].narrow(0, 0, b).narrow(2, 0, length),
+                                                 attn_mask=mask)
+            if n > 1:  # back to token order: (b, n, KV, G, D)
+                out = out.unflatten(2, (g, n)).permute(0, 3, 1, 2, 4)
             outs.append(out.reshape(d, width))
         at = d
         for chunk, chunk_mask_ in zip(chunks, masks, strict=True):
@@ -345,6 +353,16 @@ class LlamaForCausalLM(nn.Module):
         """The body of `decode`, free of host synchronisation (a graph a compiler could take whole)."""
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         return self._logits(self._forward(tokens, positions, rows, mask, (), cache))
+
+    def verify_step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                    cache: KVCache) -> torch.Tensor:
+        """Rows 0..B-1 fed n tokens each, `tokens` and `positions` (B, n), attending as `mask`
+        (B, 1, n, L: `kv_cache.rows_mask`) says: a verify step's rows, each its last token and its draft,
+        as a decode step takes them (free of host synchronisation, so a trace takes it whole).
+        Returns (B * n, V), row-major. A decode step is the case n = 1."""
+        b, n = tokens.shape
+        rows = torch.arange(b, device=tokens.device).repeat_interleave(n)
+        return self._logits(self._forward(tokens.reshape(-1), positions.reshape(-1), rows, mask, (), cache))
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None,
                  chunks: Sequence[PromptChunk], cache: KVCache) -> torch.Tensor:

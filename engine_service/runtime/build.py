@@ -76,7 +76,8 @@ async def build_engine(config: EngineConfig) -> Engine:
                                                            find_cpp_compiler())
         runner = await event_loop.run_in_executor(
             loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize,
-            cfg.trace_decode, dynamic_head_bits, choose_onednn_weights(dtype_name, cfg.device), compiled, int4_kernel)
+            cfg.trace_decode, dynamic_head_bits, choose_onednn_weights(dtype_name, cfg.device), compiled, int4_kernel,
+            1 + cfg.speculative_tokens if cfg.speculative == "ngram" else 0)
     finally:
         loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
     limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)

@@ -17,7 +17,7 @@ from engine_service.model.compiled_decode import CompiledDecode, cache_dir
 from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.quantize import quantize_model
-from engine_service.model.traced_decode import TracedDecode
+from engine_service.model.traced_decode import TracedDecode, TracedVerify
 from engine_service.scheduling.step_plan import Prefill, StepPlan
 
 log = structlog.get_logger()
@@ -37,7 +37,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, max_batch: int, max_context: int, device: torch.device,
                  dtype: torch.dtype, quantize: str = "none", trace_decode: bool = False,
                  dynamic_head_bits: int = 0, onednn_weights: bool = False, compile_decode: bool = False,
-                 int4_kernel: str = "torch") -> None:
+                 int4_kernel: str = "torch", verify_tokens: int = 0) -> None:
         self.model = model
         self.device = device
         self.cache = KVCache(model.config, max_batch, max_context, dtype, device)
@@ -58,6 +58,14 @@ class ModelRunner:
                 self._decode = TracedDecode(model, self.cache, max_batch)
             except RuntimeError as err:  # the tracer's failures; eager decoding gives the same tokens, slower
                 log.warning("decode_trace_failed", error_type=type(err).__name__, error=str(err))
+        # a verify step of one row and `verify_tokens` tokens (speculation's last token and draft,
+        # padded), traced too; other verify steps run eagerly
+        self._verify_traced: TracedVerify | None = None
+        if trace_decode and verify_tokens > 1:
+            try:
+                self._verify_traced = TracedVerify(model, self.cache, verify_tokens)
+            except RuntimeError as err:  # the tracer's failures; the eager verify step gives the same tokens
+                log.warning("verify_trace_failed", error_type=type(err).__name__, error=str(err))
         # what engine_ready says of the compiled step: on, off, or why it failed
         self.compiled_decode = "on" if compile_decode else "off"
         if compile_decode:
@@ -96,6 +104,10 @@ class ModelRunner:
         cache_len moves past accepted tokens only), then the prefills' chunks."""
         prefills = plan.prefills
         fed = [[d.seq.generated[-1], *d.draft] for d in plan.decodes]
+        if len(fed) == 1 and not prefills:
+            logits = self._verify_traced_row(fed[0], plan.decodes[0].seq.cache_len)
+            if logits is not None:
+                return StepLogits(logits)
         chunks = [PromptChunk(d.row, d.seq.cache_len, len(f)) for d, f in zip(plan.decodes, fed, strict=True)]
         tokens = torch.tensor([t for f in fed for t in f], dtype=torch.long, device=self.device)
         none = tokens[:0]
@@ -105,6 +117,19 @@ class ModelRunner:
             self.cache, logits_of=[len(chunks) + i for i, p in enumerate(prefills) if p.completes],
             every_token_of=[*range(len(chunks)), *(len(chunks) + i for i in echo)])
         return _split(logits, sum(len(f) for f in fed), prefills, echo)
+
+    def _verify_traced_row(self, fed: list[int], start: int) -> torch.Tensor | None:
+        """Row 0's logits (len(fed), V) fed `fed` from position `start`, through a trace
+        (TracedVerify) with `fed` padded to its size; None where no trace serves: none made, more
+        tokens than the largest, or the padding would pass the context."""
+        traced = self._verify_traced
+        size = None if traced is None else traced.size(len(fed))
+        if traced is None or size is None or start + size > self.cache.max_context:
+            return None
+        padded = fed + fed[-1:] * (size - len(fed))  # its keys and values land past the draft's, as rejected ones do
+        logits = traced(torch.tensor([padded], dtype=torch.long, device=self.device),
+                        torch.arange(start, start + size, device=self.device)[None, :])
+        return logits[:len(fed)]
 
     def _prompt_tokens(self, prefills: Seq[Prefill]) -> torch.Tensor:
         return torch.tensor([t for p in prefills for t in p.seq.request.prompt_ids[
