@@ -21,8 +21,9 @@ CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not onednn_bfloat16(), reason="oneDNN does not run bfloat16 on this CPU")
 
 
+@pytest.mark.parametrize("layout_rows", [1, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_packed_projection_gives_f_linears_bits_at_every_row_count(bias: bool) -> None:
+def test_a_packed_projection_gives_f_linears_bits_at_every_row_count(bias: bool, layout_rows: int) -> None:
     generator = torch.Generator().manual_seed(0)
     parts = [nn.Linear(96, 64, bias=bias), nn.Linear(96, 32, bias=bias)]
     for part in parts:
@@ -32,7 +33,7 @@ def test_a_packed_projection_gives_f_linears_bits_at_every_row_count(bias: bool)
         part.to(torch.bfloat16)
     packed = Packed(*parts)
     packed.pack()
-    packed.pack_onednn()
+    packed.pack_onednn(layout_rows)
     assert packed.onednn is not None and packed.onednn.is_mkldnn
     for rows in (1, 3, 8, 40, 300):
         x = torch.randn(1, rows, 96, generator=generator).bfloat16()

@@ -21,6 +21,7 @@ from engine_service.machine.precision import (
     find_cpp_compiler,
     keep_q4_kernel,
     onednn_bfloat16,
+    onednn_layout_rows,
 )
 from engine_service.model.gguf_checkpoint import weight_format
 from engine_service.model.gguf_reader import read_gguf
@@ -296,3 +297,14 @@ def test_the_races_answer_names_the_winner_and_the_times() -> None:
 def test_the_race_keeps_the_engines_kernel_where_its_ratios_geometric_mean_is_below_one(
         ours: tuple[float, float], theirs: tuple[float, float], faster: bool) -> None:
     assert (keep_q4_kernel("int16", ours, theirs, 8)[0] == "int16") is faster
+
+
+@pytest.mark.parametrize(("text", "capability", "isa", "rows"), [
+    (XEON, "AVX512", "", 64),  # AMX runs the chunks' and prompts' bfloat16 matmuls
+    (XEON, "AVX512", "AVX512_CORE_BF16", 1),  # oneDNN held below AMX
+    (XEON, "AVX2", "", 1),
+    (EPYC, "AVX2", "", 1),
+])
+def test_the_onednn_copies_are_laid_out_for_64_rows_where_amx_runs_them(text: str, capability: str, isa: str,
+                                                                         rows: int) -> None:
+    assert onednn_layout_rows(cpu(text, capability, isa)) == rows

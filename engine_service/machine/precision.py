@@ -143,6 +143,16 @@ def choose_onednn_weights(dtype: str, device: str) -> bool:
     return dtype == "bfloat16" and device.startswith("cpu") and onednn_bfloat16()
 
 
+def onednn_layout_rows(cpu: CpuInfo) -> int:
+    """The row count the prepacked copies are laid out for (oneDNN picks a blocked layout by it).
+    They serve calls of tens to thousands of rows (chunks, prompts; decode steps run the int4
+    copies or a trace). Where AMX runs bfloat16 a layout for 64 rows: one for 1 row ran SmolLM2's
+    layers 1.2-1.6x slower at 16 to 2,000 rows, and whole chunk steps 0.86-0.98x (Xeon 207, the
+    layouts alternating); elsewhere 1, what Zen 4 was measured with."""
+    isa = cpu.onednn_max_isa.lower()
+    return 64 if cpu.amx and (not isa or "amx" in isa or isa == "all") else 1
+
+
 def onednn_bfloat16() -> bool:
     """oneDNN is built in and runs bfloat16 on this CPU (AVX-512 BW and up)."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -28,6 +28,7 @@ from engine_service.machine.precision import (
     choose_quantize,
     find_cpp_compiler,
     keep_q4_kernel,
+    onednn_layout_rows,
 )
 from engine_service.model import int4_race, q4_matmul
 from engine_service.model.compiled_decode import cache_dir
@@ -77,7 +78,7 @@ async def build_engine(config: EngineConfig) -> Engine:
         runner = await event_loop.run_in_executor(
             loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize,
             cfg.trace_decode, dynamic_head_bits, choose_onednn_weights(dtype_name, cfg.device), compiled, int4_kernel,
-            1 + cfg.speculative_tokens if cfg.speculative == "ngram" else 0)
+            1 + cfg.speculative_tokens if cfg.speculative == "ngram" else 0, onednn_layout_rows(cpu))
     finally:
         loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
     limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)

@@ -37,7 +37,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, max_batch: int, max_context: int, device: torch.device,
                  dtype: torch.dtype, quantize: str = "none", trace_decode: bool = False,
                  dynamic_head_bits: int = 0, onednn_weights: bool = False, compile_decode: bool = False,
-                 int4_kernel: str = "torch", verify_tokens: int = 0) -> None:
+                 int4_kernel: str = "torch", verify_tokens: int = 0, onednn_rows: int = 1) -> None:
         self.model = model
         self.device = device
         self.cache = KVCache(model.config, max_batch, max_context, dtype, device)
@@ -48,7 +48,7 @@ class ModelRunner:
         self.onednn_weights = onednn_weights
         if onednn_weights:
             for packed in model.projections()[:-1]:
-                packed.pack_onednn()
+                packed.pack_onednn(onednn_rows)  # laid out for calls of that many rows (onednn_layout_rows)
         if quantize != "none":
             quantize_model(model.projections(), quantize, dynamic_head_bits=dynamic_head_bits,
                            int4_kernel=int4_kernel)
