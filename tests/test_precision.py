@@ -301,6 +301,8 @@ def test_the_race_keeps_the_engines_kernel_where_its_ratios_geometric_mean_is_be
 
 @pytest.mark.parametrize(("text", "capability", "isa", "rows"), [
     (XEON, "AVX512", "", 64),  # AMX runs the chunks' and prompts' bfloat16 matmuls
+    (XEON, "AVX512", "AVX512_CORE_AMX", 64),
+    (XEON, "AVX512", "ALL", 64),
     (XEON, "AVX512", "AVX512_CORE_BF16", 1),  # oneDNN held below AMX
     (XEON, "AVX2", "", 1),
     (EPYC, "AVX2", "", 1),

@@ -148,7 +148,8 @@ def onednn_layout_rows(cpu: CpuInfo) -> int:
     They serve calls of tens to thousands of rows (chunks, prompts; decode steps run the int4
     copies or a trace). Where AMX runs bfloat16 a layout for 64 rows: one for 1 row ran SmolLM2's
     layers 1.2-1.6x slower at 16 to 2,000 rows, and whole chunk steps 0.86-0.98x (Xeon 207, the
-    layouts alternating); elsewhere 1, what Zen 4 was measured with."""
+    layouts alternating), and its products at 40-300 rows rounded apart from F.linear's, which the
+    64-row layout's equal; elsewhere 1, what Zen 4 was measured with."""
     isa = cpu.onednn_max_isa.lower()
     return 64 if cpu.amx and (not isa or "amx" in isa or isa == "all") else 1
 

@@ -109,11 +109,13 @@ class Packed(nn.Module):
                 start += size
 
     def pack_onednn(self, rows: int = 1) -> None:
-        """Keep a copy of the (bfloat16) weight in oneDNN's blocked layout, which `F.linear` would
-        otherwise reorder the weight into on every call: the same kernel and the same bits, without
-        the reorder; laid out for calls of `rows` rows. SmolLM2's gate/up (3,072 x 576), 2 threads, Zen 4, ms at 8/40/128/2,000 rows:
-        0.095/0.343/1.06/16.8 against 0.215/0.503/1.22/18.5. A trace cannot hold such a tensor
-        (TorchScript has no constant of an opaque layout), so traced steps keep `F.linear`."""
+        """Keep a copy of the (bfloat16) weight in oneDNN's blocked layout for calls of `rows` rows,
+        which `F.linear` would otherwise reorder the weight into on every call: the same kernel and
+        the same bits where the layout is the one F.linear picks (with AMX, 64 rows and not 1:
+        machine/precision.onednn_layout_rows), without the reorder. SmolLM2's gate/up (3,072 x 576),
+        2 threads, Zen 4, ms at 8/40/128/2,000 rows: 0.095/0.343/1.06/16.8 against
+        0.215/0.503/1.22/18.5. A trace cannot hold such a tensor (TorchScript has no constant of an
+        opaque layout), so traced steps keep `F.linear`."""
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)  # type: ignore[arg-type]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
