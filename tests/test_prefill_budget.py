@@ -257,3 +257,13 @@ def test_late_chunks_stop_at_the_floor() -> None:
     budget.observe(0, idle(10), 0.010)
     assert budget.tokens(8, 0) > MIN_TOKENS
     assert budget.tokens(8, 1_000_000) == MIN_TOKENS
+
+
+def test_plain_seconds_are_a_decode_only_steps_at_exactly_that_row_count() -> None:
+    budget = PrefillBudget(None, 2048)
+    assert budget.plain_seconds(2) is None
+    budget.observe(2, [], 0.010)
+    budget.observe(4, [], 0.020)
+    budget.observe(2, [PromptChunk(1, 0, 8)], 0.050)  # a mixed step: not a plain one
+    assert budget.plain_seconds(2) == 0.010 and budget.plain_seconds(4) == 0.020
+    assert budget.plain_seconds(3) is None  # no nearest row count stands in

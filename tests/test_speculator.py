@@ -20,7 +20,7 @@ from engine_service.requests import Request, SamplingParams
 from engine_service.runtime.delta import Delta
 from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import StepLogits
-from engine_service.runtime.speculator import Speculator
+from engine_service.runtime.speculator import RETRY_EVERY, Speculator
 from engine_service.scheduling.prefill_budget import PrefillBudget
 from engine_service.scheduling.scheduler import Scheduler
 from engine_service.scheduling.sequence import Sequence
@@ -292,3 +292,60 @@ def test_a_verified_drafts_text_is_every_accepted_tokens_text_in_order() -> None
     for e in emissions:
         assert e.text == "".join(chr(97 + t) for t in e.tokens)
     assert "".join(e.text for e in emissions) == "".join(chr(97 + t) for t in tokens["a"])
+
+
+def test_a_row_count_whose_verify_steps_do_not_pay_speculates_once_in_retry_every() -> None:
+    speculator = Speculator(SpeculativeConfig(num_tokens=3, min_n=2, max_n=2), max_rows=2)
+    seq = Sequence(request("a", 0, 10), sink=None)
+    seq.generated = [2, 3]
+    one, two = [seq], [seq, seq]
+    assert speculator.drafts(two) == [[4, 0, 1]] * 2  # nothing measured: it speculates
+    speculator.observe(2, 3, 0.030, None)  # no plain step timed at 2 rows: nothing to compare
+    assert speculator.describe() == {}
+    # 2 rows gave 3 tokens in 30 ms, where a plain step gives 2 in 20: 1.5 a row against 1 a row
+    # in 1.5x the time, a payoff of exactly 1, which still speculates
+    speculator.observe(2, 3, 0.030, 0.020)
+    assert speculator.describe() == {2: 1.0}
+    assert speculator.drafts(two) is not None
+    speculator.observe(2, 2, 0.030, 0.020)  # 2 tokens in 1.5x the time: 0.667, moving 0.3 of the way
+    assert speculator.describe() == {2: 0.9}
+    skipped = [speculator.drafts(two) for _ in range(2 * RETRY_EVERY)]
+    assert [i for i, d in enumerate(skipped) if d is not None] == [RETRY_EVERY - 1, 2 * RETRY_EVERY - 1]
+    assert speculator.drafts(one) == [[4, 0, 1]]  # another row count keeps its own payoff
+    speculator.observe(2, 8, 0.030, 0.020)  # a retry that paid (2.667): 0.9 + 0.3 x 1.767
+    assert speculator.describe() == {2: 1.43}
+    assert all(speculator.drafts(two) is not None for _ in range(3))
+    speculator.observe(1, 2, 0.030, 0.030)  # one row, 2 tokens in a plain step's time: 2.0; 3 rows: 0.667
+    speculator.observe(3, 2, 0.030, 0.030)
+    assert speculator.describe() == {1: 2.0, 2: 1.43, 3: 0.667}
+
+
+def test_the_loop_gives_a_verify_steps_time_and_tokens_to_the_speculator() -> None:
+    class SpySpeculator(Speculator):
+        def __init__(self) -> None:
+            super().__init__(SpeculativeConfig(num_tokens=4))
+            self.observed: list[tuple[int, int, float | None]] = []
+
+        def observe(self, rows: int, tokens: int, seconds: float, plain_seconds: float | None) -> None:
+            assert 0 < seconds < 1
+            self.observed.append((rows, tokens, plain_seconds))
+
+    speculator, budget = SpySpeculator(), PrefillBudget(None, 256)
+    scheduler = Scheduler(max_batch=2, max_context=256, queue_capacity=4, queue_retry_seconds=0.5,
+                          prefill_token_budget=1024)
+    loop = DecodeLoop(SpeculatingRunner(), scheduler, FaultInjector(FaultPlan()), frozenset({15}),  # type: ignore[arg-type]
+                      lambda out: None, on_fatal=lambda exc: None, prefill_budget=budget, speculator=speculator)
+    scheduler.submit(Sequence(request("a", 0, 20), sink=None))
+    loop.step()  # the prefill: not a verify step
+    loop.step()  # a verify step of one row: its draft of 4 and the token after it
+    assert speculator.observed == [(1, 5, None)]  # no plain step at 1 row timed yet
+    budget.observe(1, [], 0.004)
+    loop.step()
+    assert speculator.observed[1] == (1, 5, 0.004)
+    scheduler.submit(Sequence(request("b", 1, 20), sink=None))
+    loop.step()  # a verifies while b's prompt prefills: its time is not the verify's alone
+    assert runner_drafts(loop)[-1] is not None and len(speculator.observed) == 2
+
+
+def runner_drafts(loop: DecodeLoop) -> list[list[list[int]] | None]:
+    return loop.runner.drafts_seen  # type: ignore[attr-defined]

@@ -111,8 +111,7 @@ class DecodeLoop:
                 self._echo(p, logits.prompt[i])
         producing = plan.producing
         tokens = self._tokens(logits.sampled, plan)
-        if not plan.speculative:  # a verify step's time is no measure of a decode step's
-            self._time_prefill(plan, time.perf_counter() - started)
+        self._time(plan, tokens, time.perf_counter() - started)
         # emit: one sequence failing is that sequence's business alone
         emitted_at = time.monotonic()
         doomed = self.faults.doomed_rows(self.steps, [e.seq.request_id for e in producing],
@@ -157,6 +156,16 @@ class DecodeLoop:
         predicts the first generated token, which is no prompt token)."""
         seq, chunk = prefill.seq, prefill.chunk
         seq.controls.echo(logits, seq.request.prompt_ids[chunk.start + 1:chunk.start + chunk.length + 1])
+
+    def _time(self, plan: StepPlan, tokens: list[list[int]], seconds: float) -> None:
+        """Give a plain step's time to the prefill budget, and a verify step's (with no prompt
+        chunk) to the speculator, against a plain step's; both adapt to them. A verify step's time
+        is no measure of a decode step's."""
+        if not plan.speculative:
+            self._time_prefill(plan, seconds)
+        elif not plan.prefills and self.speculator is not None:
+            rows = len(plan.decodes)  # with no prompt completing, `tokens` are the rows' alone
+            self.speculator.observe(rows, sum(len(t) for t in tokens), seconds, self.prefill_budget.plain_seconds(rows))
 
     def _time_prefill(self, plan: StepPlan, seconds: float) -> None:
         """Give a plain step's time to the prefill budget, which adapts to it."""

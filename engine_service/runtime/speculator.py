@@ -7,6 +7,14 @@ feeds 1 + k tokens per row, which a large batch pays for in every row while few 
 accepted (llama.cpp measured its lookup decoding at 1.10x with one slot and 0.77x with eight), so
 larger batches decode as without it, and cost nothing but the check. Rows with no match in their
 text are fed their last token alone, as in a plain step.
+
+Within that, a row count speculates while it pays: the loop gives each verify step's time and
+tokens (`observe`) with a plain step's time at as many rows (the prefill budget's), and where the
+moving payoff falls below 1 (verify steps gave fewer tokens a second than plain steps would), that
+row count decodes plainly but for one step in RETRY_EVERY, which measures again. Measured on the
+Xeon 207 with AMX: a verify step of 2-4 rows cost 1.7-4.2x a plain step of as many rows
+(docs/decode-speed.md), more than chance drafts on unrelated text repay; one row of 7 tokens,
+traced, about 2x, which a grounded draft repays several times over.
 """
 
 from __future__ import annotations
@@ -20,12 +28,16 @@ from engine_service.scheduling.sequence import Sequence
 from engine_service.scheduling.step_plan import DecodeRow
 
 SPECULATIVE_MAX_ROWS = 4
+PAYOFF_SMOOTHING = 0.3  # weight of the newest verify step in a row count's moving payoff
+RETRY_EVERY = 16  # at a row count whose verify steps did not pay, one step in this many verifies again
 
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_rows: int = SPECULATIVE_MAX_ROWS) -> None:
         self.config = config
         self.max_rows = max_rows
+        self._payoff: dict[int, float] = {}  # rows -> a verify step's tokens a second over a plain step's
+        self._skipped: dict[int, int] = {}  # rows -> steps not speculated since the last try
 
     def drafts(self, decoding: Seq[Sequence]) -> list[list[int]] | None:
         """One draft per decoding row (possibly empty), or None for a plain step: too many rows,
@@ -34,8 +46,36 @@ class Speculator:
         only). A draft never runs past the row's max_new_tokens."""
         if not decoding or len(decoding) > self.max_rows or not all(s.controls.plain for s in decoding):
             return None
+        if not self._pays(len(decoding)):
+            return None
         drafts = [seq.controls.draft(self.config, seq.generated) for seq in decoding]
         return drafts if any(drafts) else None
+
+    def _pays(self, rows: int) -> bool:
+        """Whether a step of `rows` rows speculates: unless its verify steps have measured slower
+        than plain steps (payoff below 1), then once in RETRY_EVERY such steps, to measure again."""
+        payoff = self._payoff.get(rows)
+        if payoff is None or payoff >= 1.0:
+            return True
+        self._skipped[rows] = self._skipped.get(rows, 0) + 1
+        if self._skipped[rows] < RETRY_EVERY:
+            return False
+        self._skipped[rows] = 0
+        return True
+
+    def observe(self, rows: int, tokens: int, seconds: float, plain_seconds: float | None) -> None:
+        """A verify step of `rows` rows and no prompt chunk gave `tokens` tokens in `seconds`, where
+        a plain step of as many rows takes `plain_seconds` (None: none timed yet, no comparison).
+        Its payoff is its tokens a second over the plain step's, `rows` a step."""
+        if plain_seconds is None:
+            return
+        payoff = tokens * plain_seconds / (rows * seconds)
+        old = self._payoff.get(rows)
+        self._payoff[rows] = payoff if old is None else old + PAYOFF_SMOOTHING * (payoff - old)
+
+    def describe(self) -> dict[int, float]:
+        """The payoff measured at each row count, for logs."""
+        return {rows: round(p, 3) for rows, p in sorted(self._payoff.items())}
 
     @staticmethod
     def choose(logits: torch.Tensor, decodes: Seq[DecodeRow]) -> list[list[int]]:

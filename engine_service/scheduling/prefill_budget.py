@@ -131,6 +131,10 @@ class PrefillBudget:
             self._chunk_cost[decoding] = _average(self._chunk_cost.get(decoding, CHUNK_COST),
                                                   min(MAX_CHUNK_COST, max(MIN_CHUNK_COST, cost)))
 
+    def plain_seconds(self, decoding: int) -> float | None:
+        """A decode-only step's time at exactly `decoding` rows, None until one is timed."""
+        return self._decode.get(decoding)
+
     def _decode_seconds(self, decoding: int) -> float | None:
         """A decode-only step's time at `decoding` rows, or at the nearest row count timed."""
         if decoding in self._decode:
