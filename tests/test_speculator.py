@@ -17,6 +17,7 @@ from engine_service.generation.sampler import new_generator
 from engine_service.generation.speculative import SpeculativeConfig, verify
 from engine_service.model.kv_cache import PromptChunk
 from engine_service.requests import Request, SamplingParams
+from engine_service.runtime import loop as loop_module
 from engine_service.runtime.delta import Delta
 from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import StepLogits
@@ -26,6 +27,7 @@ from engine_service.scheduling.scheduler import Scheduler
 from engine_service.scheduling.sequence import Sequence
 from engine_service.scheduling.step_plan import PlanError, StepPlan
 from tests.step_plans import unpack
+from tests.test_loop_mutants import Clock, Recorder
 
 VOCAB = 16
 PERIOD = 5  # the fake model's text repeats every 5 tokens
@@ -345,6 +347,24 @@ def test_the_loop_gives_a_verify_steps_time_and_tokens_to_the_speculator() -> No
     scheduler.submit(Sequence(request("b", 1, 20), sink=None))
     loop.step()  # a verifies while b's prompt prefills: its time is not the verify's alone
     assert runner_drafts(loop)[-1] is not None and len(speculator.observed) == 2
+
+
+def test_a_verify_step_logs_its_rows_tokens_time_and_the_payoffs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loop_module, "time", Clock())  # every timed step takes STEP_SECONDS
+    log = Recorder()
+    monkeypatch.setattr(loop_module, "log", log)
+    budget = PrefillBudget(None, 256)
+    budget.observe(1, [], 0.004)  # a plain one-row step: 4 ms
+    scheduler = Scheduler(max_batch=2, max_context=256, queue_capacity=4, queue_retry_seconds=0.5,
+                          prefill_token_budget=1024)
+    loop = DecodeLoop(SpeculatingRunner(), scheduler, FaultInjector(FaultPlan()), frozenset({15}),  # type: ignore[arg-type]
+                      lambda out: None, on_fatal=lambda exc: None, prefill_budget=budget,
+                      speculator=Speculator(SpeculativeConfig(num_tokens=4)))
+    scheduler.submit(Sequence(request("a", 0, 20), sink=None))
+    loop.step()  # the prefill
+    loop.step()  # a verify step: 5 tokens in 12.34 ms where a plain step gives 1 in 4: 5 x 4 / 12.34
+    assert [c for c in log.calls if c[1] == "verify_step"] == [
+        ("debug", "verify_step", {"rows": 1, "tokens": 5, "ms": 12.3, "payoff": {1: 1.621}})]
 
 
 def runner_drafts(loop: DecodeLoop) -> list[list[list[int]] | None]:

@@ -164,8 +164,10 @@ class DecodeLoop:
         if not plan.speculative:
             self._time_prefill(plan, seconds)
         elif not plan.prefills and self.speculator is not None:
-            rows = len(plan.decodes)  # with no prompt completing, `tokens` are the rows' alone
-            self.speculator.observe(rows, sum(len(t) for t in tokens), seconds, self.prefill_budget.plain_seconds(rows))
+            rows, made = len(plan.decodes), sum(len(t) for t in tokens)  # no prompt completing: the rows' alone
+            self.speculator.observe(rows, made, seconds, self.prefill_budget.plain_seconds(rows))
+            log.debug("verify_step", rows=rows, tokens=made, ms=round(seconds * 1000, 1),
+                      payoff=self.speculator.describe())
 
     def _time_prefill(self, plan: StepPlan, seconds: float) -> None:
         """Give a plain step's time to the prefill budget, which adapts to it."""
