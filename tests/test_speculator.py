@@ -314,6 +314,10 @@ def test_a_row_count_whose_verify_steps_do_not_pay_speculates_once_in_retry_ever
     skipped = [speculator.drafts(two) for _ in range(2 * RETRY_EVERY)]
     assert [i for i, d in enumerate(skipped) if d is not None] == [RETRY_EVERY - 1, 2 * RETRY_EVERY - 1]
     assert speculator.drafts(one) == [[4, 0, 1]]  # another row count keeps its own payoff
+    sampled = Sequence(replace(seq.request, sampling=SamplingParams(temperature=0.8, seed=3)), sink=None)
+    sampled.generated = [2, 3]
+    # a sampled row's tokens must not hang on measured times: its steps keep the row-count rule
+    assert all(speculator.drafts([seq, sampled]) is not None for _ in range(RETRY_EVERY))
     speculator.observe(2, 8, 0.030, 0.020)  # a retry that paid (2.667): 0.9 + 0.3 x 1.767
     assert speculator.describe() == {2: 1.43}
     assert all(speculator.drafts(two) is not None for _ in range(3))

@@ -11,7 +11,9 @@ text are fed their last token alone, as in a plain step.
 Within that, a row count speculates while it pays: the loop gives each verify step's time and
 tokens (`observe`) with a plain step's time at as many rows (the prefill budget's), and where the
 moving payoff falls below 1 (verify steps gave fewer tokens a second than plain steps would), that
-row count decodes plainly but for one step in RETRY_EVERY, which measures again. Measured on the
+row count decodes plainly but for one step in RETRY_EVERY, which measures again. Only steps whose
+rows are all greedy are gated: a greedy row's tokens do not depend on whether a step verifies, a
+seeded sampled row's do (its generator's draws), and must not on the machine's speed. Measured on the
 Xeon 207 with AMX: a verify step of 2-4 rows cost 1.7-4.2x a plain step of as many rows
 (docs/decode-speed.md), more than chance drafts on unrelated text repay; one row of 7 tokens,
 traced, about 2x, which a grounded draft repays several times over.
@@ -46,7 +48,9 @@ class Speculator:
         only). A draft never runs past the row's max_new_tokens."""
         if not decoding or len(decoding) > self.max_rows or not all(s.controls.plain for s in decoding):
             return None
-        if not self._pays(len(decoding)):
+        # a gate of measured times would make a seeded sampled row's tokens depend on the machine's
+        # speed (whether a step verifies decides which draws its generator makes): greedy steps only
+        if all(s.request.sampling.greedy for s in decoding) and not self._pays(len(decoding)):
             return None
         drafts = [seq.controls.draft(self.config, seq.generated) for seq in decoding]
         return drafts if any(drafts) else None
