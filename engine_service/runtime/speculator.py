@@ -12,8 +12,9 @@ Within that, a row count speculates while it pays: the loop gives each verify st
 tokens (`observe`) with a plain step's time at as many rows (the prefill budget's), and where the
 moving payoff falls below 1 (verify steps gave fewer tokens a second than plain steps would), that
 row count decodes plainly but for one step in RETRY_EVERY, which measures again. Only steps whose
-rows are all greedy are gated: a greedy row's tokens do not depend on whether a step verifies, a
-seeded sampled row's do (its generator's draws), and must not on the machine's speed. Measured on the
+rows are all greedy are gated: a greedy row's tokens do not depend on whether a step verifies
+(beyond the rounding a row count picks with quantized copies, as batching's), a seeded sampled
+row's do (its generator's draws), and must not on the machine's speed. Measured on the
 Xeon 207 with AMX: a verify step of 2-4 rows cost 1.7-4.2x a plain step of as many rows
 (docs/decode-speed.md), more than chance drafts on unrelated text repay; one row of 7 tokens,
 traced, about 2x, which a grounded draft repays several times over.
@@ -45,7 +46,8 @@ class Speculator:
         """One draft per decoding row (possibly empty), or None for a plain step: too many rows,
         or no row has a draft, or a row's logits are processed before sampling (logit bias,
         penalties, min_new_tokens, a response_format: verification knows the plain distribution
-        only). A draft never runs past the row's max_new_tokens."""
+        only), or every row is greedy and this row count's verify steps have not paid (`_pays`).
+        A draft never runs past the row's max_new_tokens."""
         if not decoding or len(decoding) > self.max_rows or not all(s.controls.plain for s in decoding):
             return None
         # a gate of measured times would make a seeded sampled row's tokens depend on the machine's
