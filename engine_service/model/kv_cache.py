@@ -77,10 +77,9 @@ class PromptChunk(NamedTuple):
 
 
 def decode_mask(positions: torch.Tensor) -> torch.Tensor:
-    """(B, 1, 1, L) with True where row b attends: keys 0..positions[b], L = the longest (a host sync)."""
-    length = int(positions.max()) + 1
-    span = torch.arange(length, device=positions.device)
-    return (span[None, :] <= positions[:, None]).view(positions.shape[0], 1, 1, length)
+    """(B, 1, 1, L) with True where row b attends: keys 0..positions[b], L = the longest (a host
+    sync): `rows_mask` of one token a row."""
+    return rows_mask(positions[:, None])
 
 
 def chunk_mask(chunk: PromptChunk, device: torch.device) -> torch.Tensor:
@@ -93,7 +92,7 @@ def chunk_mask(chunk: PromptChunk, device: torch.device) -> torch.Tensor:
 
 def rows_mask(positions: torch.Tensor) -> torch.Tensor:
     """(B, 1, n, L) for B rows fed n tokens each at `positions` (B, n): True where a token attends,
-    keys 0..its own position; L = the largest position + 1 (a host sync). `decode_mask` is n = 1."""
+    keys 0..its own position; L = the largest position + 1 (a host sync)."""
     length = int(positions.max()) + 1
     span = torch.arange(length, device=positions.device)
     return (span <= positions[..., None]).unsqueeze(1)

@@ -25,13 +25,16 @@ log = structlog.get_logger()
 
 
 class _Step(torch.nn.Module):
-    def __init__(self, model: LlamaForCausalLM, cache: KVCache) -> None:
+    """The model's `decode_step` or `verify_step` (`method`) over `cache`, as a module to trace."""
+
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, method: str = "decode_step") -> None:
         super().__init__()
         self.model = model
         self.cache = cache
+        self.method = method
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.model.decode_step(tokens, positions, mask, self.cache)
+        return getattr(self.model, self.method)(tokens, positions, mask, self.cache)
 
 
 class TracedDecode:
@@ -66,16 +69,6 @@ class TracedDecode:
         return self._traces[self._regime(tokens.shape[0])](tokens, positions, decode_mask(positions))
 
 
-class _Verify(torch.nn.Module):
-    def __init__(self, model: LlamaForCausalLM, cache: KVCache) -> None:
-        super().__init__()
-        self.model = model
-        self.cache = cache
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.model.verify_step(tokens, positions, mask, self.cache)
-
-
 class TracedVerify:
     """Speculative verify steps of one row as traces (`LlamaForCausalLM.verify_step`): one per
     number of tokens fed, the powers of two below `most` and `most` itself (1 + the draft's
@@ -94,7 +87,7 @@ class TracedVerify:
     def _trace(model: LlamaForCausalLM, cache: KVCache, n: int) -> torch.jit.ScriptModule:
         fed = torch.zeros(1, n, dtype=torch.long, device=cache.k.device)
         positions = torch.arange(1, n + 1, device=cache.k.device)[None, :]  # attends n + 1: not a fixed 1
-        return _trace(_Verify(model, cache), (fed, positions, rows_mask(positions)), cache)
+        return _trace(_Step(model, cache, "verify_step"), (fed, positions, rows_mask(positions)), cache)
 
     def size(self, tokens: int) -> int | None:
         """The tokens a verify of `tokens` is padded to, None past the largest."""
