@@ -4,18 +4,22 @@ long prompt pay for it?
     python benchmarks/chunked_prefill.py [--model smollm2] [--dtype auto] [--quantize auto] [--budgets auto,96,2048]
 
 For each per-step prefill budget (`--max-prefill-tokens`; the first is the engine's default), one
-engine, and in it:
+engine, a warm-up prompt, then `--rounds` rounds (3 by default), each measuring two things back to
+back, in the order alone, with streams on odd rounds and the reverse on even ones (ABBA: this
+machine class's speed moves 1.5-2x within minutes, and one measurement of each put that drift into
+the ratio, 1.45x to 4.0x over three runs of one setting):
 1. alone: a 2,000-token prompt (max 2 new tokens) with nothing else running; its TTFT, measured
-   by the client from the call to the first token (a warm-up prompt first, distinct tokens each
-   time so that the prefix cache never helps);
+   by the client from the call to the first token (distinct tokens each time so that the prefix
+   cache never helps);
 2. with 8 steady streams: 8 requests (64-token prompts, decoding long) run until each has 24
    tokens; their inter-token gaps over the next 2 s give the median TPOT before; then another
    2,000-token prompt arrives. Its TTFT, and the largest gap of any steady stream from its
    arrival to its first token (plus 0.5 s), are recorded.
 
-Prints, per budget: largest gap / median TPOT before (target <= 4) and TTFT with the streams /
-TTFT alone (target <= 1.6); and the budget's TTFT alone over the first budget's (what chunking
-costs a prompt on an idle engine).
+Prints, per budget and round, both ratios: largest gap / median TPOT before (target <= 4) and TTFT
+with the streams / TTFT alone in the same round (target <= 1.6); then their medians over the rounds,
+and the budget's median TTFT alone over the first budget's (what chunking costs a prompt on an idle
+engine).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_client.prompts import make_prompt
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
+from engine_service.machine.cpu import detect
 from tools.local_engine import EngineProcess
 
 VOCAB, SPECIAL = 40003, (0, 1, 2)  # SmolLM2's ids 3..40002: no special token
@@ -86,13 +91,22 @@ async def with_streams(stub: engine_pb2_grpc.EngineServiceStub, seed: int) -> tu
     return statistics.median(before), max(gaps), long_ttft
 
 
-async def measure(address: str, seed: int) -> tuple[float, float, float, float]:
+async def measure(address: str, seed: int, rounds: int) -> list[tuple[float, float, float, float]]:
+    """Per round: (TTFT alone, median TPOT before, largest gap, TTFT with the streams) in seconds."""
+    out = []
     async with grpc.aio.insecure_channel(address) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         await ttft(stub, prompt(seed + 100, LONG))  # warm-up
-        alone = await ttft(stub, prompt(seed + 200, LONG))
-        tpot, gap, loaded = await with_streams(stub, seed + 300)
-    return alone, tpot, gap, loaded
+        for r in range(rounds):
+            base = seed + 1000 * (r + 1)
+            if r % 2 == 0:
+                alone = await ttft(stub, prompt(base + 200, LONG))
+                tpot, gap, loaded = await with_streams(stub, base + 300)
+            else:
+                tpot, gap, loaded = await with_streams(stub, base + 300)
+                alone = await ttft(stub, prompt(base + 200, LONG))
+            out.append((alone, tpot, gap, loaded))
+    return out
 
 
 def main() -> None:
@@ -102,23 +116,33 @@ def main() -> None:
     parser.add_argument("--quantize", default="auto", help="the engine's --quantize (auto, none, int8, int4)")
     parser.add_argument("--budgets", default="auto,96",
                         help="--max-prefill-tokens values (auto or a count), comma-separated (the first is the reference)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of both measurements, alternating their order")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be positive, got {args.rounds}")
     budgets = args.budgets.split(",")
     first_alone = None
+    print(f"# CPU: {detect().describe()}")
     print(f"# {args.model} dtype {args.dtype}, quantize {args.quantize}: {STEADY} streams ({STEADY_PROMPT}-token prompts) + one {LONG}-token prompt")
     for n, budget in enumerate(budgets):
         with EngineProcess("--model", args.model, "--dtype", args.dtype, "--quantize", args.quantize,
                            "--max-prefill-tokens", budget,
                            "--max-context", "2048", "--threads", "0", "--compile-decode", "auto",
                            start_timeout=300) as proc:  # the product's defaults; a first compile is minutes
-            alone, tpot, gap, loaded = asyncio.run(measure(proc.address, seed=1000 * (n + 1)))
+            rounds = asyncio.run(measure(proc.address, 100_000 * (n + 1), args.rounds))
+        for r, (alone, tpot, gap, loaded) in enumerate(rounds):
+            print(f"budget {budget:>5}, round {r + 1}: TTFT alone {alone * 1e3:7.0f} ms, with streams {loaded * 1e3:7.0f} ms "
+                  f"({loaded / alone:.2f}x); steady TPOT median {tpot * 1e3:5.1f} ms, largest gap {gap * 1e3:6.0f} ms "
+                  f"({gap / tpot:.2f}x)", flush=True)
+        alone = statistics.median(r[0] for r in rounds)
         first_alone = first_alone or alone
-        print(f"budget {budget:>5}: TTFT alone {alone * 1e3:7.0f} ms, with streams {loaded * 1e3:7.0f} ms; "
-              f"steady TPOT median {tpot * 1e3:5.1f} ms, largest gap {gap * 1e3:6.0f} ms", flush=True)
-        print(f"  largest gap / median TPOT before     : {gap / tpot:6.2f}  (target <= 4)")
-        print(f"  TTFT with 8 streams / TTFT alone      : {loaded / alone:6.2f}  (target <= 1.6)")
+        gaps = [r[2] / r[1] for r in rounds]
+        ttfts = [r[3] / r[0] for r in rounds]
+        print(f"  largest gap / median TPOT before     : {statistics.median(gaps):6.2f} median, rounds "
+              f"{min(gaps):.2f}-{max(gaps):.2f}  (target <= 4)")
+        print(f"  TTFT with 8 streams / TTFT alone      : {statistics.median(ttfts):6.2f} median, rounds "
+              f"{min(ttfts):.2f}-{max(ttfts):.2f}  (target <= 1.6)")
         print(f"  TTFT alone / TTFT alone at {budgets[0]:>5}     : {alone / first_alone:6.2f}")
-
 
 if __name__ == "__main__":
     main()
