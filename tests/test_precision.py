@@ -12,6 +12,7 @@ from engine_service.config import EngineConfig
 from engine_service.machine import precision
 from engine_service.machine.cpu import CpuInfo, detect, parse_cpuinfo
 from engine_service.machine.precision import (
+    choose_amx_int4,
     choose_compiled_decode,
     choose_dtype,
     choose_dynamic_head,
@@ -310,3 +311,18 @@ def test_the_race_keeps_the_engines_kernel_where_its_ratios_geometric_mean_is_be
 def test_the_onednn_copies_are_laid_out_for_64_rows_where_amx_runs_them(text: str, capability: str, isa: str,
                                                                          rows: int) -> None:
     assert onednn_layout_rows(cpu(text, capability, isa)) == rows
+
+
+@pytest.mark.parametrize(("kernel", "flags", "isa", "chosen"), [
+    ("int16", {"avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}, "", True),
+    ("int16", {"avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}, "AVX512_CORE_AMX", True),
+    ("int16", {"avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}, "ALL", True),
+    ("int16", {"avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}, "AVX512_CORE_BF16", False),  # oneDNN held below AMX
+    ("int16", {"avx512f", "avx512_vnni", "avx512_bf16"}, "", False),  # no AMX (Zen 4)
+    ("torch", {"avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}, "", False),  # the race kept torch's kernel
+    ("float32", {"avx2", "fma", "amx_bf16"}, "", False),
+])
+def test_the_amx_kernel_is_chosen_only_beside_the_int16_kernel_where_amx_runs(
+        kernel: str, flags: set[str], isa: str, chosen: bool) -> None:
+    cpu = CpuInfo(capability="AVX512", flags=frozenset(flags), model_name="test", onednn_max_isa=isa)
+    assert choose_amx_int4(kernel, cpu) is chosen

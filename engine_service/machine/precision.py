@@ -138,6 +138,22 @@ def keep_q4_kernel(kernel: str, ours_us: tuple[float, float], torch_us: tuple[fl
     return "torch", f"int4 layers in {TORCH_INT4[kernel]}: the {kernel} one took {figures}"
 
 
+# choose_amx_int4's answer where it serves
+AMX_INT4_ON = "calls of 9-{rows} rows of the int4 layers on AMX tiles (the AMX int4 kernel, built at start-up)"
+
+
+def choose_amx_int4(kernel: str, cpu: CpuInfo) -> bool:
+    """Whether the int16 kernel's copies (`kernel`, choose_q4_kernel's answer after the race) also
+    serve calls of more rows than it takes (chunks beside decoding rows, short prompts) through the
+    AMX int4 kernel (model/q4_amx.cpp), instead of the full bfloat16 weights: where the CPU has
+    AMX for bfloat16 (`amx_bf16`, with oneDNN's ISA not held below it). On the Xeon 207 with AMX,
+    `benchmarks/chunked_prefill.py` (4 rounds each, two pairs of runs, the kernel serving up to 256
+    rows): the 2,000-token prompt's TTFT beside 8 streams 2.87x and 2.16x its TTFT alone (medians)
+    against 3.67x and 4.37x (docs/decode-speed.md, "An AMX int4 kernel for chunks")."""
+    isa = cpu.onednn_max_isa.lower()
+    return kernel == "int16" and cpu.amx and (not isa or "amx" in isa or isa == "all")
+
+
 def choose_onednn_weights(dtype: str, device: str) -> bool:
     """Whether the layers' weights in `dtype` get a copy prepacked for oneDNN on `device`."""
     return dtype == "bfloat16" and device.startswith("cpu") and onednn_bfloat16()

@@ -9,6 +9,12 @@ with the C++ compiler the compiled step uses, for a model's int4 copies where to
   registers and multiplies there: the file's Q4_1 values exactly, no casts. Measured on an AMD
   EPYC of family 26 model 2 with torch's dispatch held to AVX2 (`ATEN_CPU_CAPABILITY=avx2`),
   SmolLM2's 120 layer projections: `docs/decode-speed.md`, "A float32 int4 kernel".
+- `amx` (`q4_amx.cpp`, AMX-BF16, the int16 kernel's copies): a bfloat16 model's calls of more rows
+  than the int16 kernel takes (chunks beside decoding rows, short prompts), where
+  machine/precision.choose_amx_int4 allows it. It widens each group of 32 inputs of 16 output rows
+  to one bfloat16 AMX tile in cache and multiplies with `tdpbf16ps`: the call reads the 4-bit
+  copies, not the full bfloat16 weights, which a step's int4 decode rows keep in cache. Measured on
+  the Xeon 207 with AMX: `docs/decode-speed.md`, "An AMX int4 kernel for chunks".
 - `int16` (`q4_int16.cpp`, AVX-512 VNNI and BF16, `quantize.Q4Int16Weight`): a bfloat16 model's.
   The call's rows are quantized to 16 bits per group of 32 inputs (far finer than bfloat16's own 8
   bits of precision), and 16-bit integer dot products (`vpdpwssd`) multiply them by the 4-bit
@@ -53,7 +59,13 @@ KERNELS = {
     "float32": Kernel("float32", Path(__file__).with_name("q4_matmul.cpp"), ("-mavx2", "-mfma"), "engine_q4::matmul"),
     "int16": Kernel("int16", Path(__file__).with_name("q4_int16.cpp"),
                     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16"), "engine_q4_int16::matmul"),
+    "amx": Kernel("amx", Path(__file__).with_name("q4_amx.cpp"),
+                  ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
+                   "-ffp-contract=off"), "engine_q4_amx::matmul"),  # a product then a sum, not fused: the loader's
 }
+# a start-up product's largest error relative to its largest value (`probe_error`): the output is
+# rounded to bfloat16 (2^-8), the sums run in another order
+PROBE_TOLERANCE = 0.02
 _loaded: dict[str, Path] = {}
 
 
@@ -139,3 +151,21 @@ def pack_int16(q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> tup
     def side_by_side(v: torch.Tensor) -> torch.Tensor:
         return v.half().view(tiles, TILE, groups).transpose(1, 2).contiguous()
     return values, side_by_side(scales), side_by_side(lows)
+
+
+def probe_error(kernel: Kernel) -> float:
+    """Run the loaded `kernel` (int16 or amx: the int16 layout) once on a small weight of three
+    tiles (a lone last one) and 40 rows (a partial last pass), and return its largest error relative to
+    the largest value of the float32 arithmetic on the same bfloat16 values: a kernel that
+    runs but multiplies wrongly (or not at all) fails here, at start-up, not in a step."""
+    generator = torch.Generator().manual_seed(0)
+    n, k = 3 * TILE, 4 * BLOCK
+    q = torch.randint(0, 16, (n, k), generator=generator)
+    scales = (torch.rand(n, k // BLOCK, generator=generator) * 0.01).half()
+    lows = (-torch.rand(n, k // BLOCK, generator=generator) * 0.05).half()
+    weight = (q.view(n, k // BLOCK, BLOCK).float() * scales.float()[..., None] + lows.float()[..., None]).view(n, k)
+    x = torch.randn(40, k, generator=generator).to(torch.bfloat16)
+    namespace, name = kernel.op.split("::")
+    out = getattr(getattr(torch.ops, namespace), name)(x, *pack_int16(q, scales.float(), lows.float()))
+    ref = x.float() @ weight.to(torch.bfloat16).float().t()
+    return float((out.float() - ref).abs().max() / ref.abs().max())

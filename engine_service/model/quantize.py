@@ -75,6 +75,12 @@ FLOAT32_INT4_MAX_ROWS = 24
 # (SmolLM2's 120 layer projections from memory, 2 threads, Xeon of family 6 model 207 with AMX, ms
 # at 8/12/16/24 rows: int16 9.0/14.4/13.1/18.8, oneDNN's bfloat16 21.8/15.4/11.2/14.8)
 INT16_KERNEL_INT4_MAX_ROWS = 8
+# rows up to which a bfloat16 model's int16 copies serve calls on AMX tiles (q4_amx.cpp), where
+# precision.choose_amx_int4 allows it: calls of 9 rows and more are chunks beside decoding rows
+# (whose int4 copies are then in cache) and prompts. A prompt alone, SmolLM2 in one process, caches
+# flushed before each, 6 alternations, Xeon 207 with AMX, AMX / oneDNN's bfloat16 at 32/64/128/256
+# tokens: 0.72/0.95/1.09/1.12
+AMX_INT4_MAX_ROWS = 128
 DYNAMIC_HEAD_MAX_ROWS = 32
 INT8_BITS = (8, 7)  # an int8 copy's value bits: 7 for the dynamic head on plain AVX2 (above), else 8
 # rows up to which a float32 model's weight-only int8 head beats its float32 weights (the docstring's figures)
@@ -162,10 +168,14 @@ class Q4Int16Weight:
     scales: torch.Tensor  # (N / 16, K / 32, 16) float16
     lows: torch.Tensor  # (N / 16, K / 32, 16) float16: w = q * scale + low
     max_rows: int
+    amx: bool = False  # calls of more than INT16_KERNEL_INT4_MAX_ROWS rows on AMX tiles (q4_amx.cpp, loaded)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return through_rows(x, torch.bfloat16, lambda rows: torch.ops.engine_q4_int16.matmul(
-            rows, self.q, self.scales, self.lows))
+        """In the int16 kernel; with `amx`, calls of more than INT16_KERNEL_INT4_MAX_ROWS rows on
+        AMX tiles, the copy widened to bfloat16 in cache."""
+        return through_rows(x, torch.bfloat16, lambda rows: (
+            torch.ops.engine_q4_amx.matmul if self.amx and rows.shape[0] > INT16_KERNEL_INT4_MAX_ROWS
+            else torch.ops.engine_q4_int16.matmul)(rows, self.q, self.scales, self.lows))
 
 
 QuantizedWeight = Int8Weight | Int4Weight | Q4Weight | Q4Int16Weight | DynamicInt8Weight
@@ -247,10 +257,12 @@ def quantize_q4(weight: torch.Tensor, max_rows: int = FLOAT32_INT4_MAX_ROWS) -> 
     return Q4Weight(q4_matmul.pack(q.view(weight.shape)), scale.contiguous(), low.contiguous(), max_rows)
 
 
-def quantize_q4_int16(weight: torch.Tensor, max_rows: int = INT16_KERNEL_INT4_MAX_ROWS) -> Q4Int16Weight:
-    """`quantize_int4`'s groups for the int16 int4 kernel (q4_matmul.py), scales and lows in float16."""
+def quantize_q4_int16(weight: torch.Tensor, max_rows: int = INT16_KERNEL_INT4_MAX_ROWS,
+                      amx: bool = False) -> Q4Int16Weight:
+    """`quantize_int4`'s groups for the int16 int4 kernel (q4_matmul.py), scales and lows in float16;
+    with `amx`, its calls of more rows go to the AMX int4 kernel (Q4Int16Weight.matmul)."""
     q, scale, low = int4_groups(weight)
-    return Q4Int16Weight(*q4_matmul.pack_int16(q.view(weight.shape), scale, low), max_rows)
+    return Q4Int16Weight(*q4_matmul.pack_int16(q.view(weight.shape), scale, low), max_rows, amx)
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -267,20 +279,22 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return q, scale, low
 
 
-def _engine_int4_copy(weight: torch.Tensor, kernel: str, max_rows: int | None) -> Q4Weight | Q4Int16Weight | None:
+def _engine_int4_copy(weight: torch.Tensor, kernel: str, max_rows: int | None,
+                      amx_rows: int) -> Q4Weight | Q4Int16Weight | None:
     """The int4 copy for one of the engine's kernels (`kernel`: float32 or int16) where it takes this
     weight (a float32 one; a bfloat16 one of whole 16-row tiles), serving up to `max_rows` rows (None:
-    the kernel's own limit); None where torch's kernel keeps it."""
+    the kernel's own limit), an int16 copy up to `amx_rows` where that is more (the AMX kernel's
+    calls); None where torch's kernel keeps it."""
     rows = INT4_KERNEL_MAX_ROWS.get(kernel, 0) if max_rows is None else max_rows
     if kernel == "float32" and weight.dtype == torch.float32:
         return quantize_q4(weight, rows)
     if kernel == "int16" and weight.dtype == torch.bfloat16 and weight.shape[0] % q4_matmul.TILE == 0:
-        return quantize_q4_int16(weight, rows)
+        return quantize_q4_int16(weight, max(rows, amx_rows), amx=amx_rows > INT16_KERNEL_INT4_MAX_ROWS)
     return None
 
 
 def quantize_model(projections: Sequence[Projection], method: str, max_rows: int | None = None,
-                   dynamic_head_bits: int = 0, int4_kernel: str = "torch") -> None:
+                   dynamic_head_bits: int = 0, int4_kernel: str = "torch", amx_rows: int = 0) -> None:
     """Give every projection of a model, the LM head last (`LlamaForCausalLM.projections()`, packed:
     call after `pack_projections`), its quantized copy. With int4 the LM head gets int8: embeddings
     are often kept at 8 bits (the packaged SmolLM2's are Q8_0, and 4 bits there moved top-1 on 13%
@@ -289,7 +303,8 @@ def quantize_model(projections: Sequence[Projection], method: str, max_rows: int
     fbgemm runs: precision.py). `int4_kernel` (INT4_KERNELS) names who multiplies the int4 layers:
     torch's kernel, or one of the engine's (q4_matmul.py, its library loaded): `float32` gives a
     float32 model's layers `Q4Weight`s, `int16` a bfloat16 model's `Q4Int16Weight`s (those whose
-    output size is a multiple of 16; any other keeps torch's kernel)."""
+    output size is a multiple of 16; any other keeps torch's kernel), which serve up to `amx_rows`
+    rows where that is more (the AMX int4 kernel loaded: AMX_INT4_MAX_ROWS; 0 for none)."""
     if method not in MAX_ROWS:
         raise ValueError(f"quantize method must be int8 or int4, got {method!r}")
     if dynamic_head_bits not in (0, *INT8_BITS) or isinstance(dynamic_head_bits, bool):
@@ -302,7 +317,7 @@ def quantize_model(projections: Sequence[Projection], method: str, max_rows: int
         for packed in layers:
             weight = packed.weight
             assert weight is not None  # packed, not yet quantized
-            ours = _engine_int4_copy(weight, int4_kernel, max_rows) if method == "int4" else None
+            ours = _engine_int4_copy(weight, int4_kernel, max_rows, amx_rows) if method == "int4" else None
             packed.quantized = ours if ours is not None else layer_quantizer(
                 weight, layer_max_rows(method, weight.dtype) if max_rows is None else max_rows,
                 kernel_dtype(weight.dtype))

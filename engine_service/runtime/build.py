@@ -18,8 +18,10 @@ from engine_service.faults import FaultInjector
 from engine_service.generation.speculative import SpeculativeConfig
 from engine_service.machine.cpu import CpuInfo, detect
 from engine_service.machine.precision import (
+    AMX_INT4_ON,
     TORCH_INT4,
     Precision,
+    choose_amx_int4,
     choose_compiled_decode,
     choose_dtype,
     choose_dynamic_head,
@@ -34,6 +36,7 @@ from engine_service.model import int4_race, q4_matmul
 from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.config import ModelConfig
 from engine_service.model.loader import LoadedModel, load_model
+from engine_service.model.quantize import AMX_INT4_MAX_ROWS
 from engine_service.requests import Limits
 from engine_service.runtime.engine import Engine, EngineInfo, FatalCallback
 from engine_service.runtime.loop import DecodeLoop, Deliver, set_threads
@@ -71,14 +74,15 @@ async def build_engine(config: EngineConfig) -> Engine:
         dynamic_head_bits, head_reason = choose_dynamic_head(quantize, cfg.device, cpu)
         int4_kernel, q4_reason = await event_loop.run_in_executor(loader, _load_q4_kernel, cfg.int4_kernel, quantize,
                                                                   dtype_name, cfg.device, cpu, loaded.config)
-        reasons = [dtype_reason, quantize_reason, *(r for r in (head_reason, q4_reason) if r)]
+        amx_rows, amx_reason = await event_loop.run_in_executor(loader, _load_amx_kernel, int4_kernel, cpu)
+        reasons = [dtype_reason, quantize_reason, *(r for r in (head_reason, q4_reason, amx_reason) if r)]
         precision = Precision(dtype_name, quantize, "; ".join(reasons))
         compiled, compiled_reason = choose_compiled_decode(cfg.compile_decode, cfg.device, quantize, cfg.trace_decode,
                                                            find_cpp_compiler())
         runner = await event_loop.run_in_executor(
             loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize,
             cfg.trace_decode, dynamic_head_bits, choose_onednn_weights(dtype_name, cfg.device), compiled, int4_kernel,
-            1 + cfg.speculative_tokens if cfg.speculative == "ngram" else 0, onednn_layout_rows(cpu))
+            1 + cfg.speculative_tokens if cfg.speculative == "ngram" else 0, onednn_layout_rows(cpu), amx_rows)
     finally:
         loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
     limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)
@@ -130,6 +134,28 @@ def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu:
     log.info("q4_kernel_raced", kernel=kernel, rows=result.rows, kept=kept == kernel,
              ours_us=[round(t, 1) for t in result.ours_us], torch_us=[round(t, 1) for t in result.torch_us])
     return kept, reason
+
+
+def _load_amx_kernel(int4_kernel: str, cpu: CpuInfo) -> tuple[int, str]:
+    """(rows up to which the int16 copies serve calls through the AMX int4 kernel, 0 for none;
+    reason, "" where the question does not arise): where choose_amx_int4 allows it, the kernel's
+    library built or found in the compile cache, loaded, and run once against the float32
+    arithmetic (Linux hands a process the tiles only when it asks: model/q4_amx.cpp)."""
+    compiler = find_cpp_compiler()
+    if compiler is None or not choose_amx_int4(int4_kernel, cpu):
+        return 0, ""
+    try:
+        q4_matmul.load(compiler, cache_dir(), q4_matmul.KERNELS["amx"])
+        error = q4_matmul.probe_error(q4_matmul.KERNELS["amx"])
+    except (RuntimeError, OSError) as err:
+        # the compiler's failure, torch's refusal to load the library, the cache directory's, or the
+        # kernel's own check (the tiles refused): the bfloat16 weights serve those calls, as before
+        log.warning("amx_kernel_failed", error_type=type(err).__name__, error=str(err)[:2000])
+        return 0, f"calls of more than 8 rows on the bfloat16 weights: the AMX int4 kernel failed ({type(err).__name__})"
+    if error > q4_matmul.PROBE_TOLERANCE:
+        log.warning("amx_kernel_failed", error_type="WrongResult", error=f"largest relative error {error:.3g}")
+        return 0, f"calls of more than 8 rows on the bfloat16 weights: the AMX int4 kernel's product was {error:.3g} off"
+    return AMX_INT4_MAX_ROWS, AMX_INT4_ON.format(rows=AMX_INT4_MAX_ROWS)
 
 
 def _engine_info(cfg: EngineConfig, loaded: LoadedModel, precision: Precision, device: torch.device,

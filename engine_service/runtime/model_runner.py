@@ -37,7 +37,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, max_batch: int, max_context: int, device: torch.device,
                  dtype: torch.dtype, quantize: str = "none", trace_decode: bool = False,
                  dynamic_head_bits: int = 0, onednn_weights: bool = False, compile_decode: bool = False,
-                 int4_kernel: str = "torch", verify_tokens: int = 0, onednn_rows: int = 1) -> None:
+                 int4_kernel: str = "torch", verify_tokens: int = 0, onednn_rows: int = 1, amx_rows: int = 0) -> None:
         self.model = model
         self.device = device
         self.cache = KVCache(model.config, max_batch, max_context, dtype, device)
@@ -51,7 +51,7 @@ class ModelRunner:
                 packed.pack_onednn(onednn_rows)  # laid out for calls of that many rows (onednn_layout_rows)
         if quantize != "none":
             quantize_model(model.projections(), quantize, dynamic_head_bits=dynamic_head_bits,
-                           int4_kernel=int4_kernel)
+                           int4_kernel=int4_kernel, amx_rows=amx_rows)
         self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = partial(model.decode, cache=self.cache)
         if trace_decode:
             try:
