@@ -26,8 +26,10 @@ from engine_service.model.quantize import (
     INT16_KERNEL_INT4_MAX_ROWS,
     Q4Int16Weight,
     int4_groups,
+    quantize_int8,
     quantize_model,
     quantize_q4_int16,
+    row_limits,
 )
 from engine_service.runtime.model_runner import ModelRunner
 from tests.engines import EngineProcess
@@ -184,3 +186,26 @@ def test_an_engine_serving_bfloat16_int4_on_amx_says_so_and_serves_a_long_prompt
 def test_the_kernels_library_is_kept_apart_from_the_others_in_the_cache(tmp_path: Path) -> None:
     paths = {name: q4_matmul.library_path(tmp_path, "g++", kernel) for name, kernel in q4_matmul.KERNELS.items()}
     assert len(set(paths.values())) == 3 and paths["amx"].name.startswith("q4_amx-")
+
+
+@needs_amx
+def test_traced_decode_steps_take_the_int16_kernel_up_to_eight_rows_and_the_amx_kernel_past_them(kernels: None) -> None:
+    # a trace bakes in the kernel its example's rows took: traced as 16 rows alone, an 8-row step
+    # would run on AMX tiles (a 32-row pass and every group widened) instead of the int16 kernel
+    model = load_model("tiny", CPU, torch.bfloat16).model
+    runner = ModelRunner(model, 16, 64, CPU, torch.bfloat16, "int4", trace_decode=True, int4_kernel="int16",
+                         amx_rows=AMX_INT4_MAX_ROWS)
+    assert runner._decode.regimes == 3  # type: ignore[attr-defined]  # <= 4 rows (the int8 head), <= 8, <= 16
+    for rows in (3, 8, 9, 16):
+        tokens = torch.arange(3, 3 + rows)
+        positions = torch.full((rows,), 2)
+        traced = runner._decode(tokens, positions)  # type: ignore[operator]
+        assert torch.equal(traced, model.decode(tokens, positions, runner.cache)), rows
+
+
+def test_row_limits_name_where_a_copy_changes_kernel() -> None:
+    weight = torch.randn(32, 64).to(torch.bfloat16)
+    assert row_limits(quantize_q4_int16(weight)) == (INT16_KERNEL_INT4_MAX_ROWS,)
+    assert row_limits(quantize_q4_int16(weight, AMX_INT4_MAX_ROWS, amx=True)) == (INT16_KERNEL_INT4_MAX_ROWS,
+                                                                                  AMX_INT4_MAX_ROWS)
+    assert row_limits(quantize_int8(weight, 4)) == (4,)

@@ -179,6 +179,16 @@ class Q4Int16Weight:
 
 
 QuantizedWeight = Int8Weight | Int4Weight | Q4Weight | Q4Int16Weight | DynamicInt8Weight
+
+
+def row_limits(copy: QuantizedWeight) -> tuple[int, ...]:
+    """The row counts past which a call to `copy` takes another path: its `max_rows` (past it the
+    full weights serve, llama.Packed), and an AMX copy's INT16_KERNEL_INT4_MAX_ROWS (past it the AMX
+    kernel). A trace bakes in the path its example's rows took, so traced_decode.TracedDecode
+    traces each range between these apart."""
+    if isinstance(copy, Q4Int16Weight) and copy.amx:
+        return (INT16_KERNEL_INT4_MAX_ROWS, copy.max_rows)
+    return (copy.max_rows,)
 INT4_KERNELS = ("torch", "float32", "int16")  # who multiplies the int4 copies: quantize_model
 # the row count up to which each of the engine's int4 kernels serves a model's layers
 INT4_KERNEL_MAX_ROWS = {"float32": FLOAT32_INT4_MAX_ROWS, "int16": INT16_KERNEL_INT4_MAX_ROWS}

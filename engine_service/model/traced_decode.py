@@ -6,7 +6,8 @@ weights Python's dispatch of them is most of the step (eager 26.8 ms, traced 18.
 one run). A trace records the operators once and keeps shapes symbolic, so one trace serves every
 batch size and attended length; what it freezes is Python's own control flow. The only such branch
 in a step is each projection's choice between its quantized copy and its weights by row count
-(`Packed.forward`), so there is one trace per regime of that choice, all made at start-up.
+(`Packed.forward`), and an AMX copy's between its two kernels (`quantize.row_limits`), so there is
+one trace per regime of those choices, all made at start-up.
 tests/test_traced_decode.py holds traced steps to the eager step's logits bit for bit.
 """
 
@@ -20,6 +21,7 @@ import torch
 
 from engine_service.model.kv_cache import KVCache, decode_mask, rows_mask
 from engine_service.model.llama import LlamaForCausalLM
+from engine_service.model.quantize import row_limits
 
 log = structlog.get_logger()
 
@@ -41,7 +43,7 @@ class TracedDecode:
     """`model.decode` through traces, one per quantization regime up to `max_batch` rows."""
 
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, max_batch: int) -> None:
-        limits = sorted({p.quantized.max_rows for p in model.projections() if p.quantized is not None})
+        limits = sorted({limit for p in model.projections() if p.quantized is not None for limit in row_limits(p.quantized)})
         self._limits = [r for r in limits if r < max_batch]
         self._traces: dict[tuple[bool, ...], torch.jit.ScriptModule] = {}
         step = _Step(model, cache)
