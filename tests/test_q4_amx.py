@@ -142,7 +142,7 @@ def test_the_start_up_probe_passes_both_kernels_that_read_the_int16_layout(kerne
 
 
 def _prompt_logits(widen: bool, amx_rows: int) -> torch.Tensor:
-    """The tiny model's logits for a prompt of 40 tokens (calls of 40 rows), its bfloat16 weights
+    """The tiny model's logits for a prompt of 24 tokens (calls of 24 rows), its bfloat16 weights
     replaced by their int4 groups' values where `widen` (as a Q4_1 file's are), served in int4 with
     the int16 copies serving up to `amx_rows` rows."""
     model = load_model("tiny", CPU, torch.bfloat16).model
@@ -153,13 +153,13 @@ def _prompt_logits(widen: bool, amx_rows: int) -> torch.Tensor:
                                layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                     linear.weight.copy_(widened(linear.weight.float()))
     runner = ModelRunner(model, 2, 64, CPU, torch.bfloat16, "int4", int4_kernel="int16", amx_rows=amx_rows)
-    return runner.model.prefill(torch.arange(3, 43).unsqueeze(0), torch.tensor([40]), runner.cache, 0).float()
+    return runner.model.prefill(torch.arange(3, 27).unsqueeze(0), torch.tensor([24]), runner.cache, 0).float()
 
 
 @needs_amx
 def test_a_prompt_through_the_amx_kernel_multiplies_the_int4_values_as_the_bfloat16_weights_would(
         kernels: None) -> None:
-    # without amx_rows a 40-row call multiplies the bfloat16 weights (oneDNN); with it, the int4
+    # without amx_rows a 24-row call multiplies the bfloat16 weights (oneDNN); with it, the int4
     # copies on AMX tiles: the logits of the weights' own int4 values, not of the random weights
     exact = _prompt_logits(widen=True, amx_rows=0)
     tolerance = {"rtol": 0.02, "atol": 0.02 * float(exact.abs().max())}

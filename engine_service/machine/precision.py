@@ -144,12 +144,11 @@ AMX_INT4_ON = "calls of 9-{rows} rows of the int4 layers on AMX tiles (the AMX i
 
 def choose_amx_int4(kernel: str, cpu: CpuInfo) -> bool:
     """Whether the int16 kernel's copies (`kernel`, choose_q4_kernel's answer after the race) also
-    serve calls of more rows than it takes (chunks beside decoding rows, short prompts) through the
-    AMX int4 kernel (model/q4_amx.cpp), instead of the full bfloat16 weights: where the CPU has
-    AMX for bfloat16 (`amx_bf16`, with oneDNN's ISA not held below it). On the Xeon 207 with AMX,
-    `benchmarks/chunked_prefill.py` (4 rounds each, two pairs of runs, the kernel serving up to 256
-    rows): the 2,000-token prompt's TTFT beside 8 streams 2.87x and 2.16x its TTFT alone (medians)
-    against 3.67x and 4.37x (docs/decode-speed.md, "An AMX int4 kernel for chunks")."""
+    serve calls of more rows than it takes (decode steps of 9-32 rows, short prompts, small mixed
+    steps) through the AMX int4 kernel (model/q4_amx.cpp), instead of the full bfloat16 weights:
+    where the CPU runs AMX for bfloat16 (`amx_bf16`, with oneDNN's ISA not held below it). Measured
+    on the Xeon 207 with AMX (quantize.AMX_INT4_MAX_ROWS has the figures): traced decode steps of
+    9-32 rows 0.79x."""
     isa = cpu.onednn_max_isa.lower()
     return kernel == "int16" and cpu.amx and (not isa or "amx" in isa or isa == "all")
 

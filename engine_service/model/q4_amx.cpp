@@ -1,6 +1,6 @@
 // bfloat16 activations times 4-bit weights in GGUF's Q4_1 groups on AMX tiles, for calls of more
-// rows than the int16 kernel serves (chunks of prompts beside decoding rows, short prompts), on
-// CPUs with AMX-BF16: engine_service/model/q4_matmul.py builds this file at run time and says why
+// rows than the int16 kernel serves (decode steps of 9-32 rows, short prompts, small mixed steps),
+// on CPUs with AMX-BF16: engine_service/model/q4_matmul.py builds this file at run time and says why
 // it is there.
 //
 // It reads the int16 kernel's copies (q4_int16.cpp, q4_matmul.pack_int16), whose layout is already
@@ -15,7 +15,7 @@
 // float32; the output is rounded to bfloat16. A call reads the 4-bit copies (a quarter of the
 // bfloat16 weights' bytes) and no bfloat16 weight. Widening is half a call's time (SmolLM2's
 // layers at 8 rows, 2 threads, Xeon 207: 8.3 of 16.6 ms), and it does not overlap the tile
-// products; docs/decode-speed.md, "An AMX int4 kernel for chunks", has the figures.
+// products; docs/decode-speed.md, "An AMX int4 kernel", has the figures.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -9,12 +9,12 @@ with the C++ compiler the compiled step uses, for a model's int4 copies where to
   registers and multiplies there: the file's Q4_1 values exactly, no casts. Measured on an AMD
   EPYC of family 26 model 2 with torch's dispatch held to AVX2 (`ATEN_CPU_CAPABILITY=avx2`),
   SmolLM2's 120 layer projections: `docs/decode-speed.md`, "A float32 int4 kernel".
-- `amx` (`q4_amx.cpp`, AMX-BF16, the int16 kernel's copies): a bfloat16 model's calls of more rows
-  than the int16 kernel takes (chunks beside decoding rows, short prompts), where
+- `amx` (`q4_amx.cpp`, AMX-BF16, the int16 kernel's copies): a bfloat16 model's calls of 9-32
+  rows (decode steps of that many streams, short prompts, small mixed steps), where
   machine/precision.choose_amx_int4 allows it. It widens each group of 32 inputs of 16 output rows
   to one bfloat16 AMX tile in cache and multiplies with `tdpbf16ps`: the call reads the 4-bit
-  copies, not the full bfloat16 weights, which a step's int4 decode rows keep in cache. Measured on
-  the Xeon 207 with AMX: `docs/decode-speed.md`, "An AMX int4 kernel for chunks".
+  copies, not the full bfloat16 weights. Measured on the Xeon 207 with AMX: `docs/decode-speed.md`,
+  "An AMX int4 kernel".
 - `int16` (`q4_int16.cpp`, AVX-512 VNNI and BF16, `quantize.Q4Int16Weight`): a bfloat16 model's.
   The call's rows are quantized to 16 bits per group of 32 inputs (far finer than bfloat16's own 8
   bits of precision), and 16-bit integer dot products (`vpdpwssd`) multiply them by the 4-bit

@@ -76,11 +76,13 @@ FLOAT32_INT4_MAX_ROWS = 24
 # at 8/12/16/24 rows: int16 9.0/14.4/13.1/18.8, oneDNN's bfloat16 21.8/15.4/11.2/14.8)
 INT16_KERNEL_INT4_MAX_ROWS = 8
 # rows up to which a bfloat16 model's int16 copies serve calls on AMX tiles (q4_amx.cpp), where
-# precision.choose_amx_int4 allows it: calls of 9 rows and more are chunks beside decoding rows
-# (whose int4 copies are then in cache) and prompts. A prompt alone, SmolLM2 in one process, caches
-# flushed before each, 6 alternations, Xeon 207 with AMX, AMX / oneDNN's bfloat16 at 32/64/128/256
-# tokens: 0.72/0.95/1.09/1.12
-AMX_INT4_MAX_ROWS = 128
+# precision.choose_amx_int4 allows it: decode steps of 9 rows and more, short prompts, small mixed
+# steps. SmolLM2 in one process, Xeon 207 with AMX, 2 threads, AMX / oneDNN's bfloat16 (or, in a
+# traced step, F.linear's): traced decode steps of 9/16/32 rows 0.79/0.79/0.79 (1 and 8 rows, the
+# int16 kernel's, 0.98/0.96); a prompt alone at 32/64/128/256 tokens, caches flushed before each,
+# 0.72/0.95/1.09/1.12; 8 decoding rows beside a chunk of 16/32/64/96 tokens at position 0
+# 0.77/1.08/1.17/1.08, at 1,000 0.91/0.96/1.08/1.08. So up to 32 rows.
+AMX_INT4_MAX_ROWS = 32
 DYNAMIC_HEAD_MAX_ROWS = 32
 INT8_BITS = (8, 7)  # an int8 copy's value bits: 7 for the dynamic head on plain AVX2 (above), else 8
 # rows up to which a float32 model's weight-only int8 head beats its float32 weights (the docstring's figures)
