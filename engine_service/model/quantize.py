@@ -191,6 +191,8 @@ def row_limits(copy: QuantizedWeight) -> tuple[int, ...]:
     if isinstance(copy, Q4Int16Weight) and copy.amx:
         return (INT16_KERNEL_INT4_MAX_ROWS, copy.max_rows)
     return (copy.max_rows,)
+
+
 INT4_KERNELS = ("torch", "float32", "int16")  # who multiplies the int4 copies: quantize_model
 # the row count up to which each of the engine's int4 kernels serves a model's layers
 INT4_KERNEL_MAX_ROWS = {"float32": FLOAT32_INT4_MAX_ROWS, "int16": INT16_KERNEL_INT4_MAX_ROWS}
