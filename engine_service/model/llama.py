@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.model.config import ModelConfig
-from engine_service.model.kv_cache import KVCache, PromptChunk, chunk_mask, decode_mask
+from engine_service.model.kv_cache import KVCache, PromptChunk, additive_mask, chunk_mask, decode_mask
 from engine_service.model.quantize import QuantizedWeight
 
 
@@ -376,8 +376,10 @@ class LlamaForCausalLM(nn.Module):
         # a chunk from position 0 is plain causal attention: is_causal skips the blocks above the
         # diagonal, the same bits as the mask (SmolLM2, bfloat16, 2 threads, Xeon, ms a layer at
         # 1,000/2,000 tokens: 15/50 against 22/85)
-        masks = [chunk_mask(c, tokens.device) if c.start else None for c in chunks]
         x = self.model.embed_tokens(tokens).unsqueeze(0)  # (1, M, hidden)
+        # boolean masks made additive once here, not by attention in each layer (kv_cache.additive_mask)
+        masks = [additive_mask(chunk_mask(c, tokens.device), x.dtype) if c.start else None for c in chunks]
+        mask = None if mask is None else additive_mask(mask, x.dtype)
         for layer in self.model.layers:
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, rows, slots, mask, chunks, masks, cache)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
