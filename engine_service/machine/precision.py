@@ -149,8 +149,7 @@ def choose_amx_int4(kernel: str, cpu: CpuInfo) -> bool:
     where the CPU runs AMX for bfloat16 (`amx_bf16`, with oneDNN's ISA not held below it). Measured
     on the Xeon 207 with AMX (quantize.AMX_INT4_MAX_ROWS has the figures): traced decode steps of
     9-32 rows 0.79x."""
-    isa = cpu.onednn_max_isa.lower()
-    return kernel == "int16" and cpu.amx and (not isa or "amx" in isa or isa == "all")
+    return kernel == "int16" and amx_bfloat16(cpu)
 
 
 def choose_onednn_weights(dtype: str, device: str) -> bool:
@@ -165,8 +164,13 @@ def onednn_layout_rows(cpu: CpuInfo) -> int:
     layers 1.2-1.6x slower at 16 to 2,000 rows, and whole chunk steps 0.86-0.98x (Xeon 207, the
     layouts alternating), and its products at 40-300 rows rounded apart from F.linear's, which the
     64-row layout's equal; elsewhere 1, what Zen 4 was measured with."""
+    return 64 if amx_bfloat16(cpu) else 1
+
+
+def amx_bfloat16(cpu: CpuInfo) -> bool:
+    """The CPU multiplies bfloat16 on AMX tiles, and oneDNN's ISA is not held below them."""
     isa = cpu.onednn_max_isa.lower()
-    return 64 if cpu.amx and (not isa or "amx" in isa or isa == "all") else 1
+    return cpu.amx and (not isa or "amx" in isa or isa == "all")
 
 
 def onednn_bfloat16() -> bool:

@@ -24,7 +24,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -123,37 +122,29 @@ at::Tensor q4_amx_matmul(const at::Tensor& x, const at::Tensor& q, const at::Ten
   const int64_t panels = (tiles + 1) / 2;  // two tiles of output rows a panel, the last maybe one
   const int64_t passes = padded / ROWS;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    // a panel's B tiles for SPAN groups (16 KB, in L1), twice: a span is widened while the one before
-    // it is multiplied (a tile load of lines just stored waits for the stores: 1 thread, gate/up at
-    // 32 rows, 295-479 us a call against 75-125 for the products alone and 144 for the widening alone)
-    alignas(64) uint16_t widened[2][2 * SPAN * B_TILE];
+    alignas(64) uint16_t widened[2 * SPAN * B_TILE];  // a panel's B tiles for SPAN groups: 16 KB, in L1
     thread_local std::vector<float> sums;  // the passes' C tiles between spans, where there are several passes
     if (passes > 1 && sums.size() < static_cast<size_t>(passes * 4 * TILE * TILE)) sums.resize(passes * 4 * TILE * TILE);
     alignas(64) float c[4][TILE * TILE];
     configure_tiles();
     for (int64_t p = begin; p < end; ++p) {
       const int64_t t0 = 2 * p, pair = std::min<int64_t>(2, tiles - t0);
-      auto widen_span = [&](int64_t g0, uint16_t* into) {
+      const uint16_t* b0 = widened;
+      const uint16_t* b1 = widened + (pair == 2 ? SPAN * B_TILE : 0);  // a lone tile: its product twice, one kept
+      for (int64_t g0 = 0; g0 < groups; g0 += SPAN) {
+        const int64_t span = std::min<int64_t>(SPAN, groups - g0);
         for (int64_t t = 0; t < pair; ++t)
           widen_tile(qp + (t0 + t) * (k / 8) * 64 + g0 * 256, scp + ((t0 + t) * groups + g0) * TILE,
-                     lp + ((t0 + t) * groups + g0) * TILE, std::min<int64_t>(SPAN, groups - g0), into + t * SPAN * B_TILE);
-      };
-      widen_span(0, widened[0]);
-      for (int64_t g0 = 0, s = 0; g0 < groups; g0 += SPAN, s ^= 1) {
-        const int64_t span = std::min<int64_t>(SPAN, groups - g0);
-        if (g0 + SPAN < groups) widen_span(g0 + SPAN, widened[s ^ 1]);
-        const uint16_t* b0 = widened[s];
-        const uint16_t* b1 = widened[s] + (pair == 2 ? SPAN * B_TILE : 0);  // a lone tile: its product twice, one kept
+                     lp + ((t0 + t) * groups + g0) * TILE, span, widened + t * SPAN * B_TILE);
         for (int64_t r = 0; r < passes; ++r) {
+          // one pass keeps its C tiles in the tiles from span to span; several store and reload theirs
           float* kept = passes > 1 ? sums.data() + r * 4 * TILE * TILE : nullptr;
-          if (g0 == 0 || kept == nullptr) {
-            if (g0 == 0) {
-              _tile_zero(0);
-              _tile_zero(1);
-              _tile_zero(2);
-              _tile_zero(3);
-            }
-          } else {
+          if (g0 == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+          } else if (kept != nullptr) {
             _tile_loadd(0, kept, 64);
             _tile_loadd(1, kept + TILE * TILE, 64);
             _tile_loadd(2, kept + 2 * TILE * TILE, 64);

@@ -36,7 +36,7 @@ from engine_service.model import int4_race, q4_matmul
 from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.config import ModelConfig
 from engine_service.model.loader import LoadedModel, load_model
-from engine_service.model.quantize import AMX_INT4_MAX_ROWS
+from engine_service.model.quantize import AMX_INT4_MAX_ROWS, INT16_KERNEL_INT4_MAX_ROWS
 from engine_service.requests import Limits
 from engine_service.runtime.engine import Engine, EngineInfo, FatalCallback
 from engine_service.runtime.loop import DecodeLoop, Deliver, set_threads
@@ -136,6 +136,9 @@ def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu:
     return kept, reason
 
 
+AMX_INT4_OFF = f"calls of more than {INT16_KERNEL_INT4_MAX_ROWS} rows on the bfloat16 weights"  # _load_amx_kernel's failures
+
+
 def _load_amx_kernel(int4_kernel: str, cpu: CpuInfo) -> tuple[int, str]:
     """(rows up to which the int16 copies serve calls through the AMX int4 kernel, 0 for none;
     reason, "" where the question does not arise): where choose_amx_int4 allows it, the kernel's
@@ -151,10 +154,10 @@ def _load_amx_kernel(int4_kernel: str, cpu: CpuInfo) -> tuple[int, str]:
         # the compiler's failure, torch's refusal to load the library, the cache directory's, or the
         # kernel's own check (the tiles refused): the bfloat16 weights serve those calls, as before
         log.warning("amx_kernel_failed", error_type=type(err).__name__, error=str(err)[:2000])
-        return 0, f"calls of more than 8 rows on the bfloat16 weights: the AMX int4 kernel failed ({type(err).__name__})"
+        return 0, f"{AMX_INT4_OFF}: the AMX int4 kernel failed ({type(err).__name__})"
     if error > q4_matmul.PROBE_TOLERANCE:
         log.warning("amx_kernel_failed", error_type="WrongResult", error=f"largest relative error {error:.3g}")
-        return 0, f"calls of more than 8 rows on the bfloat16 weights: the AMX int4 kernel's product was {error:.3g} off"
+        return 0, f"{AMX_INT4_OFF}: the AMX int4 kernel's product was {error:.3g} off"
     return AMX_INT4_MAX_ROWS, AMX_INT4_ON.format(rows=AMX_INT4_MAX_ROWS)
 
 
