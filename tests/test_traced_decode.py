@@ -1,6 +1,6 @@
 """The decode step through TorchScript traces (`--trace-decode`) gives the eager step's logits bit
-for bit, at every batch size and attended length, in each quantization regime; a tracer failure
-falls back to eager decoding, loudly."""
+for bit, at every batch size and attended length, in each quantization regime; so do the traced
+verify and mixed steps; a tracer failure falls back to eager decoding, loudly."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ import torch
 from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.loader import load_model
 from engine_service.model.quantize import quantize_model
-from engine_service.model.traced_decode import TracedDecode, TracedVerify, verify_sizes
+from engine_service.model.traced_decode import TracedDecode, TracedMixed, TracedVerify, verify_sizes
+from engine_service.requests import Request, SamplingParams
 from engine_service.runtime import model_runner
 from engine_service.runtime.model_runner import ModelRunner
+from engine_service.scheduling.sequence import Sequence
+from engine_service.scheduling.step_plan import StepPlan
 
 CPU = torch.device("cpu")
 MAX_BATCH, CONTEXT, STEPS = 8, 96, 12
@@ -25,12 +28,16 @@ MAX_BATCH, CONTEXT, STEPS = 8, 96, 12
     (torch.bfloat16, "int4", 2),  # <= 4 rows all quantized, 5..8 the layers only (the int8 head stops at 4)
     (torch.bfloat16, "int4-dynamic-head", 1),  # fbgemm's head serves up to 32 rows, the layers 8: one regime
     (torch.float32, "int4-dynamic-head", 1),
+    (torch.bfloat16, "none-onednn", 1),  # the layers' weights laid out for oneDNN, read by the trace
 ])
 def test_traced_steps_equal_eager_steps(dtype: torch.dtype, method: str, regimes: int) -> None:
     model = load_model("tiny", CPU, dtype).model
     model.pack_projections()
     model.setup_rope(CONTEXT, CPU)
-    if method != "none":
+    if method == "none-onednn":
+        for packed in model.projections()[:-1]:
+            packed.pack_onednn(64)
+    elif method != "none":
         quantize_model(model.projections(), method.removesuffix("-dynamic-head"),
                        dynamic_head_bits=7 if method.endswith("-dynamic-head") else 0)
     cache = KVCache(model.config, MAX_BATCH, CONTEXT, dtype, CPU)
@@ -136,3 +143,102 @@ def test_the_runner_pads_a_short_draft_to_a_traced_size_and_keeps_its_rows() -> 
     assert runner._verify_traced_row([9, 10, 11, 12, 13], 3) is None  # 5 tokens: past the largest size
     assert runner._verify_traced_row([9, 10, 11], 29) is None  # padded to 4 from 29: past the 32 positions
     assert runner._verify_traced_row([9, 10, 11], 28) is not None  # positions 28..31
+
+
+def _tiny(dtype: torch.dtype, method: str) -> torch.nn.Module:
+    """The tiny model packed, with its rotary tables, and its copies as `method` says: none, int4 or
+    int8, or none-onednn (its layers' weights laid out for oneDNN, as the engine lays bfloat16 out)."""
+    model = load_model("tiny", CPU, dtype).model
+    model.pack_projections()
+    model.setup_rope(CONTEXT, CPU)
+    if method == "none-onednn":
+        for packed in model.projections()[:-1]:
+            packed.pack_onednn(64)
+    elif method != "none":
+        quantize_model(model.projections(), method)
+    return model
+
+
+@pytest.mark.parametrize(("dtype", "method"), [
+    (torch.float32, "none"), (torch.bfloat16, "none-onednn"), (torch.bfloat16, "int4"),
+])
+def test_traced_mixed_steps_equal_eager_steps(dtype: torch.dtype, method: str) -> None:
+    """Decoding rows beside one prompt chunk in the next row, through TracedMixed: the eager step's
+    logits and keys and values, bit for bit, for a chunk from position 0 and from later, ending its
+    prompt or not, in each traced regime; a regime it did not trace gives None. With int4 copies
+    (the layers' up to 8 rows, the int8 head's up to 4) one regime is traced: over 8 rows with at
+    most 4 rows through the head; 8 rows and fewer are too few for a chunk beside a row."""
+    model = _tiny(dtype, method)
+    cache = KVCache(model.config, MAX_BATCH, CONTEXT, dtype, CPU)
+    traced = TracedMixed(model, cache)
+    assert traced.regimes == 1
+    generator = torch.Generator().manual_seed(5)
+    untraced = set() if method != "int4" else {(7, 40), (3, 3)}  # 7 + 1 rows through the head; 6 rows in all
+    for b, c, start, completes in [(2, 16, 0, True), (3, 20, 30, False), (1, 30, 60, True), (7, 40, 50, False),
+                                   (3, 3, 10, True)]:
+        lengths = torch.randint(3, 20, (b,), generator=generator)  # the decoding rows' cached positions
+        prompts = torch.randint(0, 256, (b, int(lengths.max())), generator=generator)
+        prefix = torch.randint(0, 256, (1, max(start, 1)), generator=generator)
+        decoding, chunk_tokens = torch.randint(0, 256, (b,), generator=generator), torch.randint(0, 256, (c,), generator=generator)
+        chunk = PromptChunk(b, start, c)
+        runs = []
+        for run in ("eager", "traced"):
+            cache.k.zero_()
+            cache.v.zero_()
+            model.prefill(prompts, lengths, cache, 0)
+            if start:
+                model.prefill(prefix, torch.tensor([start]), cache, b)
+            if run == "eager":
+                logits = model.step(decoding, lengths, chunk_tokens, [chunk], cache, logits_of=[0] if completes else [])
+            else:
+                logits = traced(decoding, lengths, chunk_tokens, chunk, completes)
+            runs.append((logits, cache.k.clone(), cache.v.clone()))
+        if (b, c) in untraced:
+            assert runs[1][0] is None, (b, c)
+            continue
+        assert runs[1][0] is not None and runs[0][0].shape == (b + completes, model.config.vocab_size)
+        for eager, through_trace in zip(*runs, strict=True):
+            assert torch.equal(eager, through_trace), (b, c, start, completes)
+
+
+def _seq(prompt: list[int], generated: list[int] = (), echo: bool = False) -> Sequence:
+    request = Request(request_id=f"r{len(prompt)}", prompt_ids=tuple(prompt), max_new_tokens=10,
+                      sampling=SamplingParams(), stop_token_ids=frozenset(), ignore_eos=True, deadline=None,
+                      echo_prompt_logprobs=echo)
+    out = Sequence(request, sink=None)
+    out.generated, out.cache_len = list(generated), len(prompt) + len(generated) - 1 if generated else 0
+    return out
+
+
+def test_the_runner_runs_a_mixed_step_traced_only_in_the_layout_its_trace_takes() -> None:
+    """The runner's step of 2 decoding rows beside a chunk in row 2 goes through the trace and gives
+    the eager step's logits; a chunk in another row, two chunks, or an echoed prompt (whose every
+    token's logits are asked) do not; a tracer failure leaves the eager step, loudly."""
+    model = load_model("tiny", CPU, torch.float32).model
+    runner = ModelRunner(model, 4, 64, CPU, torch.float32, trace_decode=True)
+    a, b = _seq([5, 6, 7], [8]), _seq([9, 10], [11])
+    prompt = list(range(20, 40))
+    plan = StepPlan.build([a, b], [(_seq(prompt), PromptChunk(2, 0, 20))])
+    model.prefill(torch.tensor([[5, 6, 7], [9, 10, 0]]), torch.tensor([3, 2]), runner.cache, 0)
+    assert runner._mixed_traced(torch.tensor([8, 11]), torch.tensor([3, 2]), plan) is not None
+    model.prefill(torch.tensor([[5, 6, 7], [9, 10, 0]]), torch.tensor([3, 2]), runner.cache, 0)
+    got = runner.forward(plan).sampled
+    model.prefill(torch.tensor([[5, 6, 7], [9, 10, 0]]), torch.tensor([3, 2]), runner.cache, 0)
+    expected = model.step(torch.tensor([8, 11]), torch.tensor([3, 2]), torch.tensor(prompt), [PromptChunk(2, 0, 20)],
+                          runner.cache, logits_of=[0])
+    assert torch.equal(got, expected)
+    tokens, positions = torch.tensor([8, 11]), torch.tensor([3, 2])
+    for other in (StepPlan.build([a, b], [(_seq(prompt), PromptChunk(3, 0, 20))]),
+                  StepPlan.build([a, b], [(_seq(prompt), PromptChunk(2, 0, 20)), (_seq([1, 2]), PromptChunk(3, 0, 2))]),
+                  StepPlan.build([a, b], [(_seq(prompt, echo=True), PromptChunk(2, 0, 20))])):
+        assert runner._mixed_traced(tokens, positions, other) is None
+
+    def fail(*args: object) -> None:
+        raise RuntimeError("the tracer could not record this mixed step")
+
+    with pytest.MonkeyPatch.context() as patch, structlog.testing.capture_logs() as logs:
+        patch.setattr(model_runner, "TracedMixed", fail)
+        runner = ModelRunner(load_model("tiny", CPU, torch.float32).model, 4, 64, CPU, torch.float32, trace_decode=True)
+    assert {"event": "mixed_trace_failed", "log_level": "warning", "error_type": "RuntimeError",
+            "error": "the tracer could not record this mixed step"} in logs
+    assert runner._mixed_traced(tokens, positions, plan) is None

@@ -61,6 +61,15 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     raise ValueError(f"rope_scaling type must be one of default, linear, llama3, got {kind!r}")
 
 
+@torch.jit.script
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` with a weight in oneDNN's blocked layout (`Packed.pack_onednn`). Scripted: the
+    tracer cannot record the op's empty list of scalars, but records a call of this function; a
+    trace can read `weight` only as an attribute of the traced module (traced_decode._Step
+    registers each one), never as a constant (TorchScript has none of an opaque layout)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Hugging Face's `x * cos + rotate_half(x) * sin` in fewer operations: rotate_half(x) is the
     halves of x swapped with the first negated, so it equals roll(x) * [-1.., +1..], and the sign
@@ -74,7 +83,7 @@ class Packed(nn.Module):
     dicts; `pack` turns their parameters into views of the packed tensors, so memory is not doubled
     (one part is used as it is, which keeps a tied LM head tied). `quantized`, when set
     (quantize.py), serves calls of at most its `max_rows` rows; `onednn`, when set
-    (`pack_onednn`), serves the others outside a trace."""
+    (`pack_onednn`), serves the others."""
 
     def __init__(self, *parts: nn.Linear) -> None:
         super().__init__()
@@ -114,8 +123,7 @@ class Packed(nn.Module):
         the same bits where the layout is the one F.linear picks (with AMX, 64 rows and not 1:
         machine/precision.onednn_layout_rows), without the reorder. SmolLM2's gate/up (3,072 x 576),
         2 threads, Zen 4, ms at 8/40/128/2,000 rows: 0.095/0.343/1.06/16.8 against
-        0.215/0.503/1.22/18.5. A trace cannot hold such a tensor (TorchScript has no constant of an
-        opaque layout), so traced steps keep `F.linear`."""
+        0.215/0.503/1.22/18.5. Traced steps read it as their module's attribute (`onednn_linear`)."""
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, rows)  # type: ignore[arg-type]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,8 +131,8 @@ class Packed(nn.Module):
         if q is not None and x.numel() <= q.max_rows * x.shape[-1]:
             out = q.matmul(x)
             return out if self.bias is None else out + self.bias
-        if self.onednn is not None and not torch.jit.is_tracing():
-            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
+        if self.onednn is not None:
+            return onednn_linear(x, self.onednn, self.bias)
         return F.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
 
 
@@ -153,20 +161,25 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
                 slots: torch.Tensor, mask: torch.Tensor | None, chunks: Sequence[PromptChunk],
-                masks: Sequence[torch.Tensor | None], cache: KVCache) -> torch.Tensor:
-        """x (1, M, hidden): first d decoding tokens, n for each of rows 0..b-1 in turn (`rows`
-        (d,) their rows; n = 1 but in a verify step), written to the cache at `slots`
-        (KVCache.decode_slots), attending as `mask` (b, 1, n, L) says; then the chunks' tokens,
-        one chunk after another. The projections run over all M tokens at once; attention reads
-        views of the cache, never a gather: the decoding rows as one batch, each chunk over its own
-        row, as its mask in `masks` says (None: a chunk from position 0, plain causal)."""
+                masks: Sequence[torch.Tensor | None], cache: KVCache, tail: torch.Tensor | None = None) -> torch.Tensor:
+        """x (1, M, hidden): first d decoding tokens, n for each of rows 0..b-1 in turn (n = 1 but
+        in a verify step), attending as `mask` (b, 1, n, L) says; then, where `tail` is given, one
+        prompt chunk of C tokens in row b, attending as `tail` (C, L') says (additive); else the
+        chunks' tokens, one chunk after another. The first d (+ C) tokens are written to the cache
+        at `slots` (KVCache.decode_slots of `rows` (d + C,), their rows). The projections run over
+        all M tokens at once; attention reads views of the cache, never a gather: the decoding rows
+        as one batch, each chunk over its own row, as its mask in `masks` says (None: a chunk from
+        position 0, plain causal). A tail chunk is what a traced mixed step takes (no Python int
+        of its row or positions: LlamaForCausalLM.mixed_step)."""
         width = self.heads * self.head_dim
         gqa = self.heads != self.kv_heads
         q, k, v = self._qkv(x, cos, sin)  # q (1, H, M, D), k/v (1, KV, M, D)
-        d = rows.shape[0]
+        written = rows.shape[0]
+        d = written if tail is None else written - tail.shape[0]
         outs = []
+        if written:
+            cache.write_decode(self.layer, slots, k[0].narrow(1, 0, written), v[0].narrow(1, 0, written))
         if d:
-            cache.write_decode(self.layer, slots, k[0].narrow(1, 0, d), v[0].narrow(1, 0, d))
             b, n, length = mask.shape[0], mask.shape[2], mask.shape[-1]  # type: ignore[union-attr]
             g, kv, dim = self.heads // self.kv_heads, self.kv_heads, self.head_dim
             # the G query heads that share a KV head as G query rows against it, (b, KV, G, D):
@@ -184,6 +197,12 @@ class Attention(nn.Module):
             if n > 1:  # back to token order: (b, n, KV, G, D)
                 out = out.unflatten(2, (g, n)).permute(0, 3, 1, 2, 4)
             outs.append(out.reshape(d, width))
+        if tail is not None:  # in row b = mask.shape[0], its keys and values written above
+            row, length = mask.shape[0], tail.shape[-1]  # type: ignore[union-attr]
+            out = F.scaled_dot_product_attention(
+                q.narrow(2, d, tail.shape[0]), cache.k[self.layer].narrow(0, row, 1).narrow(2, 0, length),
+                cache.v[self.layer].narrow(0, row, 1).narrow(2, 0, length), attn_mask=tail, enable_gqa=gqa)
+            outs.append(out[0].transpose(0, 1).reshape(tail.shape[0], width))
         at = d
         for chunk, chunk_mask_ in zip(chunks, masks, strict=True):
             row, start, end = chunk.row, chunk.start, chunk.start + chunk.length
@@ -366,9 +385,23 @@ class LlamaForCausalLM(nn.Module):
         rows = torch.arange(b, device=tokens.device).repeat_interleave(n)
         return self._logits(self._forward(tokens.reshape(-1), positions.reshape(-1), rows, mask, (), cache))
 
+    def mixed_step(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
+                   tail: torch.Tensor, picked: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """`step` with rows 0..b-1 decoding (b = mask.shape[0], `mask` a decode_mask) and one prompt
+        chunk of C tokens in row b (`tail`: its chunk_mask (C, L)), in the form a trace takes whole:
+        `tokens` and `positions` (b + C,), the decoding rows' then the chunk's, and `rows` (b + C,),
+        each token's row, say where every key and value goes (KVCache.decode_slots), so no row or
+        position is a Python int. Returns the logits of the tokens numbered in `picked` (K,): the
+        decoding rows', then the chunk's last token's where it ends its prompt; the same rows and
+        bits as `step` (tests/test_traced_decode.py; the LM head's 8-bit activations share one scale
+        over its rows, so no other row may go through it)."""
+        hidden = self._forward(tokens, positions, rows, mask, (), cache, tail)
+        return self._logits(hidden.index_select(0, picked))
+
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None,
-                 chunks: Sequence[PromptChunk], cache: KVCache) -> torch.Tensor:
-        """The layers over M tokens (see `Attention.forward`); returns the final hidden states (M, hidden)."""
+                 chunks: Sequence[PromptChunk], cache: KVCache, tail: torch.Tensor | None = None) -> torch.Tensor:
+        """The layers over M tokens (see `Attention.forward`; `tail` boolean here); returns the final
+        hidden states (M, hidden)."""
         m = tokens.shape[0]
         cos = self.rope_cos[positions].view(1, m, 1, -1)  # (B=1, T=M, 1, D)
         sin = self.rope_signed_sin[positions].view(1, m, 1, -1)
@@ -380,7 +413,8 @@ class LlamaForCausalLM(nn.Module):
         # boolean masks made additive once here, not by attention in each layer (kv_cache.additive_mask)
         masks = [additive_mask(chunk_mask(c, tokens.device), x.dtype) if c.start else None for c in chunks]
         mask = None if mask is None else additive_mask(mask, x.dtype)
+        tail = None if tail is None else additive_mask(tail, x.dtype)
         for layer in self.model.layers:
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, rows, slots, mask, chunks, masks, cache)
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, rows, slots, mask, chunks, masks, cache, tail)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x[0]

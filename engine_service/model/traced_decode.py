@@ -19,24 +19,32 @@ import warnings
 import structlog
 import torch
 
-from engine_service.model.kv_cache import KVCache, decode_mask, rows_mask
+from engine_service.model.kv_cache import KVCache, PromptChunk, chunk_mask, decode_mask, rows_mask
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.quantize import row_limits
 
 log = structlog.get_logger()
 
+MIXED_MIN_ROWS = 17  # TracedMixed: the smallest regime it traces (one row beside a 16-token chunk)
+
 
 class _Step(torch.nn.Module):
-    """The model's `decode_step` or `verify_step` (`method`) over `cache`, as a module to trace."""
+    """The model's `decode_step`, `verify_step` or `mixed_step` (`method`) over `cache`, as a module
+    to trace. The weights laid out for oneDNN (llama.Packed.onednn) are registered here as its
+    buffers: the tracer reads a tensor that is an attribute of the traced module as that attribute,
+    and TorchScript has no constant of their opaque layout."""
 
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, method: str = "decode_step") -> None:
         super().__init__()
         self.model = model
         self.cache = cache
         self.method = method
+        for i, packed in enumerate(model.projections()):
+            if packed.onednn is not None:
+                self.register_buffer(f"onednn_{i}", packed.onednn, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return getattr(self.model, self.method)(tokens, positions, mask, self.cache)
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return getattr(self.model, self.method)(*inputs, self.cache)
 
 
 class TracedDecode:
@@ -99,6 +107,67 @@ class TracedVerify:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(n, V): the logits of row 0 fed `tokens` at `positions`, both (1, n), n one of `sizes`."""
         return self._traces[tokens.shape[1]](tokens, positions, rows_mask(positions))
+
+
+class TracedMixed:
+    """Mixed steps through traces (`LlamaForCausalLM.mixed_step`): rows 0..b-1 decoding beside one
+    prompt chunk in row b, the layout the loop gives a long prompt prefilling beside running streams.
+    One trace per regime of the layers' paths at b + C rows (as TracedDecode's, `row_limits`) with
+    the LM head's at up to b + 1; a step in a regime with no trace returns None (the eager step
+    serves). The eager step runs the chunk's Python (SmolLM2, 8 rows beside 8-128 tokens, Xeon 207
+    with AMX: 6-9 ms of a 34-140-ms step, docs/decode-speed.md)."""
+
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache) -> None:
+        started = time.monotonic()
+        head = model.projections()[-1]
+        self._layer_limits = sorted({limit for p in model.projections()[:-1] if p.quantized is not None
+                                     for limit in row_limits(p.quantized)})
+        self._head_limits = sorted(set(row_limits(head.quantized)) if head.quantized is not None else ())
+        step = _Step(model, cache, "mixed_step")
+        self._traces: dict[tuple[bool, ...], torch.jit.ScriptModule] = {}
+        # one example per regime: 2 decoding rows beside a chunk that fills the regime's rows (past
+        # the largest limit, 32 more), from position 1 so that no size is traced as 1; a regime too
+        # small for a row beside a 16-token chunk (the prefill budget's floor: a prompt's last few
+        # tokens) is left to the eager step, which spares its trace's 2 s at start-up
+        for total in [*self._layer_limits, (self._layer_limits[-1] if self._layer_limits else 0) + 32]:
+            if total >= MIXED_MIN_ROWS and total - 1 < cache.max_context and cache.max_batch > 2:
+                self._traces[self._regime(total, 3)] = self._trace(step, total - 2, cache)
+        self.regimes = len(self._traces)
+        log.info("mixed_traced", traces=self.regimes, seconds=round(time.monotonic() - started, 2))
+
+    def _regime(self, rows: int, head_rows: int) -> tuple[bool, ...]:
+        return (*(rows <= limit for limit in self._layer_limits), *(head_rows <= limit for limit in self._head_limits))
+
+    @staticmethod
+    def _trace(step: _Step, tokens: int, cache: KVCache) -> torch.jit.ScriptModule:
+        device = cache.k.device
+        chunk = PromptChunk(2, 1, tokens)
+        return _trace(step, mixed_inputs(torch.zeros(2 + tokens, dtype=torch.long, device=device),
+                                         torch.tensor([1, 0], device=device), chunk, completes=True), cache)
+
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, chunk_tokens: torch.Tensor, chunk: PromptChunk,
+                 completes: bool) -> torch.Tensor | None:
+        """As `LlamaForCausalLM.step(tokens, positions, chunk_tokens, [chunk], logits_of=[0] if
+        completes else [])` where chunk.row == len(tokens), or None where no trace serves its regime."""
+        b = tokens.shape[0]
+        traced = self._traces.get(self._regime(b + chunk.length, b + completes))
+        if traced is None:
+            return None
+        return traced(*mixed_inputs(torch.cat([tokens, chunk_tokens]), positions, chunk, completes))
+
+
+def mixed_inputs(tokens: torch.Tensor, positions: torch.Tensor, chunk: PromptChunk,
+                 completes: bool) -> tuple[torch.Tensor, ...]:
+    """`mixed_step`'s inputs but the cache: the b decoding rows' `tokens` then the chunk's, (b + C,);
+    the decoding rows' `positions` (b,); the chunk in row b."""
+    device, b = tokens.device, positions.shape[0]
+    chunk_positions = torch.arange(chunk.start, chunk.start + chunk.length, device=device)
+    rows = torch.cat([torch.arange(b, device=device), torch.full((chunk.length,), b, device=device)])
+    picked = torch.arange(b + 1, device=device)
+    picked[b] = b + chunk.length - 1
+    return (tokens, torch.cat([positions, chunk_positions]), rows, decode_mask(positions),
+            chunk_mask(chunk, device), picked if completes else picked[:b])
 
 
 def verify_sizes(most: int) -> list[int]:

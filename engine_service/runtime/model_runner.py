@@ -1,7 +1,9 @@
 """Runs the model for one step of the decode loop: one token for each decoding row, and this
 step's prompt chunks, in one pass over the weights, as the step's plan lays them out
 (scheduling/step_plan.py). A step with no chunk, the steady state, runs the traced decode
-(traced_decode.py), or at one row the compiled one where it is on (compiled_decode.py)."""
+(traced_decode.py), or at one row the compiled one where it is on (compiled_decode.py); a step of
+decoding rows beside one prompt chunk, what a long prompt arriving among running streams makes,
+runs traced too (TracedMixed)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from engine_service.model.compiled_decode import CompiledDecode, cache_dir
 from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.quantize import quantize_model
-from engine_service.model.traced_decode import TracedDecode, TracedVerify
+from engine_service.model.traced_decode import TracedDecode, TracedMixed, TracedVerify
 from engine_service.scheduling.step_plan import Prefill, StepPlan
 
 log = structlog.get_logger()
@@ -58,6 +60,13 @@ class ModelRunner:
                 self._decode = TracedDecode(model, self.cache, max_batch)
             except RuntimeError as err:  # the tracer's failures; eager decoding gives the same tokens, slower
                 log.warning("decode_trace_failed", error_type=type(err).__name__, error=str(err))
+        # a step of decoding rows beside one prompt chunk, traced too (TracedMixed); others run eagerly
+        self._mixed: TracedMixed | None = None
+        if trace_decode:
+            try:
+                self._mixed = TracedMixed(model, self.cache)
+            except RuntimeError as err:  # the tracer's failures; the eager step gives the same tokens, slower
+                log.warning("mixed_trace_failed", error_type=type(err).__name__, error=str(err))
         # a verify step of one row and `verify_tokens` tokens (speculation's last token and draft,
         # padded), traced too; other verify steps run eagerly
         self._verify_traced: TracedVerify | None = None
@@ -92,11 +101,26 @@ class ModelRunner:
         positions = torch.tensor([d.seq.cache_len for d in decodes], dtype=torch.long, device=self.device)
         if not prefills:
             return StepLogits(self._decode(tokens, positions))
+        traced = self._mixed_traced(tokens, positions, plan)
+        if traced is not None:
+            return StepLogits(traced)
         echo = [i for i, p in enumerate(prefills) if p.seq.request.echo_prompt_logprobs]
         logits = self.model.step(tokens, positions, self._prompt_tokens(prefills), [p.chunk for p in prefills],
                                  self.cache, logits_of=[i for i, p in enumerate(prefills) if p.completes],
                                  every_token_of=echo)
         return _split(logits, len(decodes), prefills, set(echo))
+
+    def _mixed_traced(self, tokens: torch.Tensor, positions: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
+        """The logits of a step of decoding rows beside one prompt chunk in the row after theirs,
+        through TracedMixed; None where it does not serve (no trace, another layout, an echoed
+        prompt, a regime not traced)."""
+        decodes, prefills = plan.decodes, plan.prefills
+        if self._mixed is None or not decodes or len(prefills) != 1:
+            return None
+        prefill = prefills[0]
+        if prefill.chunk.row != len(decodes) or prefill.seq.request.echo_prompt_logprobs:
+            return None
+        return self._mixed(tokens, positions, self._prompt_tokens(prefills), prefill.chunk, prefill.completes)
 
     def _verify(self, plan: StepPlan) -> StepLogits:
         """Each decode row as a chunk of its last token and its draft at its next positions, in its
