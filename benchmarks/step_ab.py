@@ -1,7 +1,7 @@
 """This checkout's decode step against a git ref's, in one process, timed in alternation.
 
     python benchmarks/step_ab.py --against REF [--model smollm2] [--rows 1,8,32] [--rounds 200]
-                                 [--context 160] [--dtype auto] [--quantize auto]
+                                 [--context 160] [--dtype auto] [--quantize auto] [--compile-decode off]
 
 Two engines timed one after the other drift with the machine (steal time, a busy neighbour, the
 clock: 10-30% from run to run on these 2-core machines), more than most single changes move a
@@ -9,11 +9,11 @@ step. So both steps are built in this one process and timed in turn, A (REF) the
 checkout), round after round:
 
 1. REF's tree is extracted with `git archive` into a temporary directory; its packages are imported
-   from there and a ModelRunner is built as the engine builds one on this machine (`--dtype` and
-   `--quantize` chosen as the engine chooses them, the LM head's 8-bit activations and the
-   prepacked weights likewise, the traced decode); then its modules leave sys.modules and this
-   checkout's are imported to build the second. Each keeps its own code: a function holds its
-   module's globals.
+   from there and a ModelRunner is built by its own `build_runner` (runtime/build.py), as its
+   engine builds one on this machine: precision, int4 kernels raced and probed, prepacked weights,
+   traces, and the compiled one-row step with `--compile-decode auto`. Then its modules leave
+   sys.modules and this checkout's are imported to build the second. Each keeps its own code: a
+   function holds its module's globals. A ref from before build_runner (2026-12-05) is refused.
 2. For each row count: one decode step of every row at `--context` positions on each, whether the
    two give the same logits bit for bit, then `--rounds` rounds of one step on A and one on B.
 
@@ -74,36 +74,26 @@ def forget_packages() -> None:
         del sys.modules[name]
 
 
-def build(root: Path, name: str, model: str, dtype: str, quantize: str) -> Side:
-    """A ModelRunner from the checkout at `root`, built as its engine builds one on this machine."""
+def build(root: Path, name: str, model: str, dtype: str, quantize: str, compile_decode: str) -> Side:
+    """A ModelRunner from the checkout at `root`, built as its engine builds one on this machine
+    (its runtime/build.py's `build_runner`: precision, int4 kernels, prepacked weights, traces)."""
     forget_packages()
     sys.path.insert(0, str(root))
     try:
+        from engine_service.config import EngineConfig
         from engine_service.machine.cpu import detect
-        from engine_service.machine.precision import (
-            choose_dtype,
-            choose_dynamic_head,
-            choose_onednn_weights,
-            choose_quantize,
-        )
-        from engine_service.model.loader import load_model
-        from engine_service.runtime.build import DTYPES
-        from engine_service.runtime.model_runner import ModelRunner
+        from engine_service.runtime.build import build_runner
 
-        cpu = detect()
-        dtype_name, _ = choose_dtype(dtype, "cpu", cpu)
-        device = torch.device("cpu")
-        loaded = load_model(model, device, DTYPES[dtype_name])
-        quantization, _ = choose_quantize(quantize, "cpu", loaded.weight_format)
-        dynamic_head_bits, _ = choose_dynamic_head(quantization, "cpu", cpu)
-        runner = ModelRunner(loaded.model, MAX_BATCH, MAX_CONTEXT, device, DTYPES[dtype_name], quantization, True,
-                             dynamic_head_bits, choose_onednn_weights(dtype_name, "cpu"))
+        built = build_runner(EngineConfig(model=model, dtype=dtype, quantize=quantize, max_batch=MAX_BATCH,
+                                          max_context=MAX_CONTEXT, compile_decode=compile_decode), detect())
     except ImportError as e:
-        raise StepAbError(f"{name} ({root}): the engine's build cannot be imported as this script expects: {e}") from e
+        raise StepAbError(f"{name} ({root}): the engine's build cannot be imported as this script expects "
+                          f"(runtime/build.py's build_runner, from 2026-12-05 on): {e}") from e
     finally:
         sys.path.remove(str(root))
-    print(f"{name}: {loaded.name} in {dtype_name}, quantization {quantization} ({root})", flush=True)
-    return Side(name, runner._decode)  # the traced decode the loop runs for a step with no prompt chunk
+    print(f"{name}: {built.loaded.name} in {built.precision.dtype}, quantization {built.precision.quantize} "
+          f"({built.precision.reason}; {root})", flush=True)
+    return Side(name, built.runner._decode)  # the step the loop runs for a step with no prompt chunk
 
 
 def compare(a: Side, b: Side, rows: int, context: int, rounds: int) -> None:
@@ -133,6 +123,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantize", default="auto")
+    parser.add_argument("--compile-decode", default="off", choices=("auto", "off"),
+                        help="the one-row compiled step (auto: a first compile takes minutes for each side)")
     parser.add_argument("--rows", default="1,8", help="decoding rows, comma-separated (each at most 32)")
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--context", type=int, default=160, help="positions each row attends (at most 2,048)")
@@ -146,8 +138,9 @@ def main() -> None:
         parser.error(f"--rounds {args.rounds}: must be at least 1")
     try:
         with tempfile.TemporaryDirectory(prefix="step-ab-") as tmp:
-            a = build(extract(args.against, Path(tmp)), f"A ({args.against})", args.model, args.dtype, args.quantize)
-            b = build(ROOT, "B (this checkout)", args.model, args.dtype, args.quantize)
+            a = build(extract(args.against, Path(tmp)), f"A ({args.against})", args.model, args.dtype, args.quantize,
+                      args.compile_decode)
+            b = build(ROOT, "B (this checkout)", args.model, args.dtype, args.quantize, args.compile_decode)
             for n in rows:
                 compare(a, b, n, args.context, args.rounds)
     except StepAbError as e:

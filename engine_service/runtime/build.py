@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -57,8 +58,7 @@ async def build_engine(config: EngineConfig) -> Engine:
     cfg = config
     set_threads(cfg.threads)
     cpu = detect()
-    dtype_name, dtype_reason = choose_dtype(cfg.dtype, cfg.device, cpu)
-    device, dtype = torch.device(cfg.device), DTYPES[dtype_name]
+    device = torch.device(cfg.device)
     event_loop = asyncio.get_running_loop()
     # Loaded in a thread that ends afterwards, not in asyncio's executor, whose threads live on.
     # libgomp gives every thread that runs a parallel torch op an OpenMP team of its own, and
@@ -69,22 +69,10 @@ async def build_engine(config: EngineConfig) -> Engine:
     # So the decode loop's thread must be the only thread that runs torch for long.
     loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-load")
     try:
-        loaded = await event_loop.run_in_executor(loader, load_model, cfg.model, device, dtype)
-        quantize, quantize_reason = choose_quantize(cfg.quantize, cfg.device, loaded.weight_format)
-        dynamic_head_bits, head_reason = choose_dynamic_head(quantize, cfg.device, cpu)
-        int4_kernel, q4_reason = await event_loop.run_in_executor(loader, _load_q4_kernel, cfg.int4_kernel, quantize,
-                                                                  dtype_name, cfg.device, cpu, loaded.config)
-        amx_rows, amx_reason = await event_loop.run_in_executor(loader, _load_amx_kernel, int4_kernel, cpu)
-        reasons = [dtype_reason, quantize_reason, *(r for r in (head_reason, q4_reason, amx_reason) if r)]
-        precision = Precision(dtype_name, quantize, "; ".join(reasons))
-        compiled, compiled_reason = choose_compiled_decode(cfg.compile_decode, cfg.device, quantize, cfg.trace_decode,
-                                                           find_cpp_compiler())
-        runner = await event_loop.run_in_executor(
-            loader, ModelRunner, loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize,
-            cfg.trace_decode, dynamic_head_bits, choose_onednn_weights(dtype_name, cfg.device), compiled, int4_kernel,
-            1 + cfg.speculative_tokens if cfg.speculative == "ngram" else 0, onednn_layout_rows(cpu), amx_rows)
+        built = await event_loop.run_in_executor(loader, build_runner, cfg, cpu)
     finally:
         loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
+    loaded, runner, precision, compiled_reason = built.loaded, built.runner, built.precision, built.compiled_reason
     limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)
     info = _engine_info(cfg, loaded, precision, device, cpu)
     budget = PrefillBudget(cfg.max_prefill_tokens, cfg.max_context, attention_parity(loaded.config))
@@ -108,6 +96,41 @@ async def build_engine(config: EngineConfig) -> Engine:
              prefix_cache_bytes=runner.cache.bytes_per_token() * cfg.prefix_cache_tokens,
              tokenizer=loaded.tokenizer.kind)
     return engine
+
+
+@dataclass(frozen=True)
+class BuiltRunner:
+    """What `build_runner` made: the model loaded, its runner, the precision chosen and why, and
+    what engine_ready says of the compiled one-row step."""
+
+    loaded: LoadedModel
+    runner: ModelRunner
+    precision: Precision
+    compiled_reason: str
+
+
+def build_runner(cfg: EngineConfig, cpu: CpuInfo) -> BuiltRunner:
+    """The model loaded and its runner built as the engine serves it on `cpu`: the precision, the
+    int4 kernels (built, raced, probed), the prepacked weights, the traces and the compiled step.
+    Blocking (seconds; a first compile, minutes): the engine runs it in a loader thread, and
+    benchmarks/step_ab.py calls it to time two checkouts' steps as each engine would run them."""
+    device = torch.device(cfg.device)
+    dtype_name, dtype_reason = choose_dtype(cfg.dtype, cfg.device, cpu)
+    dtype = DTYPES[dtype_name]
+    loaded = load_model(cfg.model, device, dtype)
+    quantize, quantize_reason = choose_quantize(cfg.quantize, cfg.device, loaded.weight_format)
+    dynamic_head_bits, head_reason = choose_dynamic_head(quantize, cfg.device, cpu)
+    int4_kernel, q4_reason = _load_q4_kernel(cfg.int4_kernel, quantize, dtype_name, cfg.device, cpu, loaded.config)
+    amx_rows, amx_reason = _load_amx_kernel(int4_kernel, cpu)
+    reasons = [dtype_reason, quantize_reason, *(r for r in (head_reason, q4_reason, amx_reason) if r)]
+    precision = Precision(dtype_name, quantize, "; ".join(reasons))
+    compiled, compiled_reason = choose_compiled_decode(cfg.compile_decode, cfg.device, quantize, cfg.trace_decode,
+                                                       find_cpp_compiler())
+    runner = ModelRunner(
+        loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize, cfg.trace_decode, dynamic_head_bits,
+        choose_onednn_weights(dtype_name, cfg.device), compiled, int4_kernel,
+        1 + cfg.speculative_tokens if cfg.speculative == "ngram" else 0, onednn_layout_rows(cpu), amx_rows)
+    return BuiltRunner(loaded, runner, precision, compiled_reason)
 
 
 def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo,
