@@ -8,8 +8,9 @@ from one CPU to another: a token count tuned on one does not (96 tokens kept the
   prompts, the cheapest tokens there are).
 
 - what a prompt token prefilled beside d decoding rows costs in idle ones (the chunk cost:
-  smaller matmuls, attention over the row's cached positions, and a step that prefills runs
-  eagerly on the full weights rather than the traced decode on the decode rows' quantized copies):
+  smaller matmuls, attention over the row's cached positions, and a step that prefills runs on
+  the full weights (at 9-32 rows in all, the AMX int4 kernel where the CPU has it) rather than
+  the int4 copies' kernel a decode-only step of up to 8 rows runs):
   each such step's time beyond a decode-only step of its rows, over its tokens' idle cost; a moving
   average per number of decoding rows (up to 8 rows a decode-only step runs on the int4 copies and
   a mixed one does not; above, both run on the full weights), from CHUNK_COST, held within
