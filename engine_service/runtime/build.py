@@ -34,8 +34,10 @@ from engine_service.machine.precision import (
     onednn_layout_rows,
 )
 from engine_service.model import int4_race, q4_matmul
+from engine_service.model.attention_cost import measured_parity
 from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.config import ModelConfig
+from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.loader import LoadedModel, load_model
 from engine_service.model.quantize import AMX_INT4_MAX_ROWS, INT16_KERNEL_INT4_MAX_ROWS
 from engine_service.requests import Limits
@@ -73,9 +75,10 @@ async def build_engine(config: EngineConfig) -> Engine:
     finally:
         loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
     loaded, runner, precision, compiled_reason = built.loaded, built.runner, built.precision, built.compiled_reason
+    parity = built.parity
     limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)
     info = _engine_info(cfg, loaded, precision, device, cpu)
-    budget = PrefillBudget(cfg.max_prefill_tokens, cfg.max_context, attention_parity(loaded.config))
+    budget = PrefillBudget(cfg.max_prefill_tokens, cfg.max_context, parity)
     scheduler = Scheduler(cfg.max_batch, cfg.max_context, cfg.queue_capacity, cfg.queue_retry_seconds,
                           prefill_token_budget=budget.tokens(1, 0))
 
@@ -92,7 +95,8 @@ async def build_engine(config: EngineConfig) -> Engine:
              compiled_decode=runner.compiled_decode, compiled_decode_reason=compiled_reason,
              speculative=cfg.speculative,
              kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
-             max_prefill_tokens=cfg.max_prefill_tokens or "auto", prefix_cache_tokens=cfg.prefix_cache_tokens,
+             max_prefill_tokens=cfg.max_prefill_tokens or "auto", attention_parity=round(parity),
+             prefix_cache_tokens=cfg.prefix_cache_tokens,
              prefix_cache_bytes=runner.cache.bytes_per_token() * cfg.prefix_cache_tokens,
              tokenizer=loaded.tokenizer.kind)
     return engine
@@ -107,6 +111,19 @@ class BuiltRunner:
     runner: ModelRunner
     precision: Precision
     compiled_reason: str
+    parity: float  # the prefill budget's attention parity: `chunk_parity`'s
+
+
+def chunk_parity(model: LlamaForCausalLM, config: EngineConfig) -> float:
+    """The prefill budget's attention parity (the cached positions at which a prompt token's
+    attention costs as much as its matmuls): on a CPU, measured at start-up
+    (model/attention_cost.py), held within 1/8 and 2x of the one the model's FLOPs give (one
+    measurement of milliseconds on a machine others share: a stalled call is not a property of it);
+    elsewhere, by FLOPs (timing there would need the device's synchronisation)."""
+    flops = attention_parity(model.config)
+    if not config.device.startswith("cpu"):
+        return flops
+    return min(2 * flops, max(flops / 8, measured_parity(model, config.max_context)))
 
 
 def build_runner(cfg: EngineConfig, cpu: CpuInfo) -> BuiltRunner:
@@ -130,7 +147,7 @@ def build_runner(cfg: EngineConfig, cpu: CpuInfo) -> BuiltRunner:
         loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize, cfg.trace_decode, dynamic_head_bits,
         choose_onednn_weights(dtype_name, cfg.device), compiled, int4_kernel,
         1 + cfg.speculative_tokens if cfg.speculative == "ngram" else 0, onednn_layout_rows(cpu), amx_rows)
-    return BuiltRunner(loaded, runner, precision, compiled_reason)
+    return BuiltRunner(loaded, runner, precision, compiled_reason, chunk_parity(runner.model, cfg))
 
 
 def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo,

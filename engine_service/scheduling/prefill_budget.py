@@ -56,6 +56,12 @@ in bfloat16 with int4 decode, 8 rows decoding, Xeon (AVX-512 BF16, no AMX), ms a
 16/64-token chunk: 87/169 at position 0, 119/262 at 1,950: the cost per chunk token 1.71 and 2.98
 ms, 1.74x, where the weights give 1.64x. Without it the budget held at its floor (32 tokens) to the
 end and the streams' gap at 5.27x their TPOT on that Xeon.
+
+The engine gives its budget a parity measured at start-up on a CPU (runtime/build.chunk_parity,
+model/attention_cost.py: one layer's projections over a chunk's rows against its attention at
+depth), held within 1/8 and 2x of the FLOPs' one: attention runs at a lower FLOP rate than the
+matmuls (on the Xeon 207 with AMX, 245 GFLOP/s against 620; measured parity 1,150-1,800 positions
+against 3,072 by FLOPs), and with the FLOPs' parity a long prompt's late chunks overran their target.
 """
 
 from __future__ import annotations
