@@ -29,24 +29,24 @@ CHUNK_TOKENS = 64  # a chunk as the budget makes them beside 8 decoding rows (ab
 DECODING_ROWS = 8  # the rows decoding beside it: the projections run over both
 DEPTH = 1024  # the chunk's first position, where the context allows it
 REPEATS = 7  # timed calls of each, after one untimed; the median counts
+CPU = torch.device("cpu")  # where it measures (runtime/build.chunk_parity: elsewhere timing needs the device's sync)
 
 
 def measured_parity(model: LlamaForCausalLM, max_context: int) -> float:
     """The cached positions at which a prompt token's attention takes as long as its matmuls, from
-    one layer of `model` on this machine: its projections (q/k/v, o, gate/up, down, each through
+    one layer of `model` (on the CPU) on this machine: its projections (q/k/v, o, gate/up, down, each through
     whatever path a call of that many rows takes: quantized copy, prepacked or plain weights) over
     DECODING_ROWS + CHUNK_TOKENS rows, against its attention for a CHUNK_TOKENS chunk starting at
     DEPTH (or as deep as `max_context` allows), masked as a mixed step masks it. Both in
     milliseconds per token: the matmuls' per row, the attention's per token and attended position."""
     config = model.config
     layer = model.model.layers[0]
-    weight = layer.self_attn.qkv.weight
-    dtype, device = weight.dtype, weight.device
+    dtype = layer.self_attn.qkv.weight.dtype
     rows = DECODING_ROWS + CHUNK_TOKENS
-    generator = torch.Generator(device="cpu").manual_seed(0)
+    generator = torch.Generator(device="cpu").manual_seed(0)  # any values: the times do not depend on them
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+        return torch.randn(*shape, generator=generator, dtype=dtype)
 
     hidden = rand(1, rows, config.hidden_size)
     heads_out = rand(1, rows, config.num_attention_heads * config.dim_per_head)
@@ -65,7 +65,7 @@ def measured_parity(model: LlamaForCausalLM, max_context: int) -> float:
     q = rand(1, config.num_attention_heads, CHUNK_TOKENS, config.dim_per_head)
     k = rand(1, config.num_key_value_heads, length, config.dim_per_head)
     v = rand(1, config.num_key_value_heads, length, config.dim_per_head)
-    mask = additive_mask(chunk_mask(chunk, device), dtype)
+    mask = additive_mask(chunk_mask(chunk, CPU), dtype)
     gqa = config.num_attention_heads != config.num_key_value_heads
 
     def attention() -> None:
