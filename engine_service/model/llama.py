@@ -8,6 +8,7 @@ G = H // KV, D head dim, L attended length.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Collection, Sequence
 
@@ -61,13 +62,22 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     raise ValueError(f"rope_scaling type must be one of default, linear, llama3, got {kind!r}")
 
 
-@torch.jit.script
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear` with a weight in oneDNN's blocked layout (`Packed.pack_onednn`). Scripted: the
-    tracer cannot record the op's empty list of scalars, but records a call of this function; a
-    trace can read `weight` only as an attribute of the traced module (traced_decode._Step
-    registers each one), never as a constant (TorchScript has none of an opaque layout)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    """`F.linear` with a weight in oneDNN's blocked layout (`Packed.pack_onednn`), through a
+    scripted function: the tracer cannot record the op's empty list of scalars, but records a call
+    of the function. A trace can read `weight` only as an attribute of the traced module
+    (traced_decode._Step registers each one), never as a constant (TorchScript has none of an
+    opaque layout). Scripted at its first call, not at import: a torch without oneDNN's op still
+    imports the model (precision.choose_onednn_weights decides whether weights are prepacked)."""
+    return _scripted_onednn_linear()(x, weight, bias)
+
+
+@functools.cache
+def _scripted_onednn_linear() -> torch.jit.ScriptFunction:
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    return torch.jit.script(linear)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
