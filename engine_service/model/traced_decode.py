@@ -114,8 +114,8 @@ class TracedMixed:
     prompt chunk in row b, the layout the loop gives a long prompt prefilling beside running streams.
     One trace per regime of the layers' paths at b + C rows (as TracedDecode's, `row_limits`) with
     the LM head's at up to b + 1; a step in a regime with no trace returns None (the eager step
-    serves). The eager step runs the chunk's Python (SmolLM2, 8 rows beside 8-128 tokens, Xeon 207
-    with AMX: 6-9 ms of a 34-140-ms step, docs/decode-speed.md)."""
+    serves). The eager step runs the chunk's Python: traced / eager 0.70-0.89x (SmolLM2, 8 rows
+    beside 16-128 tokens at 0-1,900, Xeon 207 with AMX, docs/decode-speed.md)."""
 
     def __init__(self, model: LlamaForCausalLM, cache: KVCache) -> None:
         started = time.monotonic()
@@ -128,7 +128,7 @@ class TracedMixed:
         # one example per regime: 2 decoding rows beside a chunk that fills the regime's rows (past
         # the largest limit, 32 more), from position 1 so that no size is traced as 1; a regime too
         # small for a row beside a 16-token chunk (the prefill budget's floor: a prompt's last few
-        # tokens) is left to the eager step, which spares its trace's 2 s at start-up
+        # tokens) is left to the eager step, which spares its trace's 1.5-2 s at start-up
         for total in [*self._layer_limits, (self._layer_limits[-1] if self._layer_limits else 0) + 32]:
             if total >= MIXED_MIN_ROWS and total - 1 < cache.max_context and cache.max_batch > 2:
                 self._traces[self._regime(total, 3)] = self._trace(step, total - 2, cache)
