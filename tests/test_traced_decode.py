@@ -22,15 +22,10 @@ CPU = torch.device("cpu")
 MAX_BATCH, CONTEXT, STEPS = 8, 96, 12
 
 
-@pytest.mark.parametrize(("dtype", "method", "regimes"), [
-    (torch.float32, "none", 1), (torch.bfloat16, "none", 1),
-    (torch.bfloat16, "int8", 2),  # <= 4 rows quantized, above not
-    (torch.bfloat16, "int4", 2),  # <= 4 rows all quantized, 5..8 the layers only (the int8 head stops at 4)
-    (torch.bfloat16, "int4-dynamic-head", 1),  # fbgemm's head serves up to 32 rows, the layers 8: one regime
-    (torch.float32, "int4-dynamic-head", 1),
-    (torch.bfloat16, "none-onednn", 1),  # the layers' weights laid out for oneDNN, read by the trace
-])
-def test_traced_steps_equal_eager_steps(dtype: torch.dtype, method: str, regimes: int) -> None:
+def _tiny(dtype: torch.dtype, method: str) -> torch.nn.Module:
+    """The tiny model packed, with its rotary tables, and its copies as `method` says: none, int4 or
+    int8 (with -dynamic-head: the head's copy fbgemm's, with 7-bit activations), or none-onednn (its
+    layers' weights laid out for oneDNN, as the engine lays bfloat16 out)."""
     model = load_model("tiny", CPU, dtype).model
     model.pack_projections()
     model.setup_rope(CONTEXT, CPU)
@@ -40,6 +35,19 @@ def test_traced_steps_equal_eager_steps(dtype: torch.dtype, method: str, regimes
     elif method != "none":
         quantize_model(model.projections(), method.removesuffix("-dynamic-head"),
                        dynamic_head_bits=7 if method.endswith("-dynamic-head") else 0)
+    return model
+
+
+@pytest.mark.parametrize(("dtype", "method", "regimes"), [
+    (torch.float32, "none", 1), (torch.bfloat16, "none", 1),
+    (torch.bfloat16, "int8", 2),  # <= 4 rows quantized, above not
+    (torch.bfloat16, "int4", 2),  # <= 4 rows all quantized, 5..8 the layers only (the int8 head stops at 4)
+    (torch.bfloat16, "int4-dynamic-head", 1),  # fbgemm's head serves up to 32 rows, the layers 8: one regime
+    (torch.float32, "int4-dynamic-head", 1),
+    (torch.bfloat16, "none-onednn", 1),  # the layers' weights laid out for oneDNN, read by the trace
+])
+def test_traced_steps_equal_eager_steps(dtype: torch.dtype, method: str, regimes: int) -> None:
+    model = _tiny(dtype, method)
     cache = KVCache(model.config, MAX_BATCH, CONTEXT, dtype, CPU)
     traced = TracedDecode(model, cache, MAX_BATCH)
     assert traced.regimes == regimes
@@ -88,11 +96,7 @@ def test_traced_verify_steps_equal_the_eager_verify_step(dtype: torch.dtype, met
     """A verify step through its trace gives the eager step's logits for the same tokens, fed as a
     chunk (how the runner verifies without a trace), bit for bit, at every traced size, and writes
     the same keys and values."""
-    model = load_model("tiny", CPU, dtype).model
-    model.pack_projections()
-    model.setup_rope(CONTEXT, CPU)
-    if method != "none":
-        quantize_model(model.projections(), method)
+    model = _tiny(dtype, method)
     cache = KVCache(model.config, 2, CONTEXT, dtype, CPU)
     traced = TracedVerify(model, cache, 7)
     assert traced.sizes == [2, 4, 7]
@@ -143,20 +147,6 @@ def test_the_runner_pads_a_short_draft_to_a_traced_size_and_keeps_its_rows() -> 
     assert runner._verify_traced_row([9, 10, 11, 12, 13], 3) is None  # 5 tokens: past the largest size
     assert runner._verify_traced_row([9, 10, 11], 29) is None  # padded to 4 from 29: past the 32 positions
     assert runner._verify_traced_row([9, 10, 11], 28) is not None  # positions 28..31
-
-
-def _tiny(dtype: torch.dtype, method: str) -> torch.nn.Module:
-    """The tiny model packed, with its rotary tables, and its copies as `method` says: none, int4 or
-    int8, or none-onednn (its layers' weights laid out for oneDNN, as the engine lays bfloat16 out)."""
-    model = load_model("tiny", CPU, dtype).model
-    model.pack_projections()
-    model.setup_rope(CONTEXT, CPU)
-    if method == "none-onednn":
-        for packed in model.projections()[:-1]:
-            packed.pack_onednn(64)
-    elif method != "none":
-        quantize_model(model.projections(), method)
-    return model
 
 
 @pytest.mark.parametrize(("dtype", "method"), [
