@@ -210,7 +210,7 @@ def test_the_runner_runs_a_mixed_step_traced_only_in_the_layout_its_trace_takes(
     prompt = list(range(20, 40))
     plan = StepPlan.build([a, b], [(_seq(prompt), PromptChunk(2, 0, 20))])
     model.prefill(torch.tensor([[5, 6, 7], [9, 10, 0]]), torch.tensor([3, 2]), runner.cache, 0)
-    assert runner._mixed_traced(torch.tensor([8, 11]), torch.tensor([3, 2]), plan) is not None
+    assert runner._mixed_traced(torch.tensor([8, 11]), torch.tensor([3, 2]), torch.tensor(prompt), plan) is not None
     model.prefill(torch.tensor([[5, 6, 7], [9, 10, 0]]), torch.tensor([3, 2]), runner.cache, 0)
     got = runner.forward(plan).sampled
     model.prefill(torch.tensor([[5, 6, 7], [9, 10, 0]]), torch.tensor([3, 2]), runner.cache, 0)
@@ -221,7 +221,7 @@ def test_the_runner_runs_a_mixed_step_traced_only_in_the_layout_its_trace_takes(
     for other in (StepPlan.build([a, b], [(_seq(prompt), PromptChunk(3, 0, 20))]),
                   StepPlan.build([a, b], [(_seq(prompt), PromptChunk(2, 0, 20)), (_seq([1, 2]), PromptChunk(3, 0, 2))]),
                   StepPlan.build([a, b], [(_seq(prompt, echo=True), PromptChunk(2, 0, 20))])):
-        assert runner._mixed_traced(tokens, positions, other) is None
+        assert runner._mixed_traced(tokens, positions, torch.tensor(prompt), other) is None
 
     def fail(*args: object) -> None:
         raise RuntimeError("the tracer could not record this mixed step")
@@ -231,4 +231,4 @@ def test_the_runner_runs_a_mixed_step_traced_only_in_the_layout_its_trace_takes(
         runner = ModelRunner(load_model("tiny", CPU, torch.float32).model, 4, 64, CPU, torch.float32, trace_decode=True)
     assert {"event": "mixed_trace_failed", "log_level": "warning", "error_type": "RuntimeError",
             "error": "the tracer could not record this mixed step"} in logs
-    assert runner._mixed_traced(tokens, positions, plan) is None
+    assert runner._mixed_traced(tokens, positions, torch.tensor(prompt), plan) is None

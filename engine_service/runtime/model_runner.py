@@ -101,26 +101,28 @@ class ModelRunner:
         positions = torch.tensor([d.seq.cache_len for d in decodes], dtype=torch.long, device=self.device)
         if not prefills:
             return StepLogits(self._decode(tokens, positions))
-        traced = self._mixed_traced(tokens, positions, plan)
+        prompt = self._prompt_tokens(prefills)
+        traced = self._mixed_traced(tokens, positions, prompt, plan)
         if traced is not None:
             return StepLogits(traced)
         echo = [i for i, p in enumerate(prefills) if p.seq.request.echo_prompt_logprobs]
-        logits = self.model.step(tokens, positions, self._prompt_tokens(prefills), [p.chunk for p in prefills],
+        logits = self.model.step(tokens, positions, prompt, [p.chunk for p in prefills],
                                  self.cache, logits_of=[i for i, p in enumerate(prefills) if p.completes],
                                  every_token_of=echo)
         return _split(logits, len(decodes), prefills, set(echo))
 
-    def _mixed_traced(self, tokens: torch.Tensor, positions: torch.Tensor, plan: StepPlan) -> torch.Tensor | None:
-        """The logits of a step of decoding rows beside one prompt chunk in the row after theirs,
-        through TracedMixed; None where it does not serve (no trace, another layout, an echoed
-        prompt, a regime not traced)."""
+    def _mixed_traced(self, tokens: torch.Tensor, positions: torch.Tensor, prompt: torch.Tensor,
+                      plan: StepPlan) -> torch.Tensor | None:
+        """The logits of a step of decoding rows beside one prompt chunk (`prompt` its tokens) in the
+        row after theirs, through TracedMixed; None where it does not serve (no trace, another
+        layout, an echoed prompt, a regime not traced)."""
         decodes, prefills = plan.decodes, plan.prefills
         if self._mixed is None or not decodes or len(prefills) != 1:
             return None
         prefill = prefills[0]
         if prefill.chunk.row != len(decodes) or prefill.seq.request.echo_prompt_logprobs:
             return None
-        return self._mixed(tokens, positions, self._prompt_tokens(prefills), prefill.chunk, prefill.completes)
+        return self._mixed(tokens, positions, prompt, prefill.chunk, prefill.completes)
 
     def _verify(self, plan: StepPlan) -> StepLogits:
         """Each decode row as a chunk of its last token and its draft at its next positions, in its
