@@ -37,8 +37,8 @@ def measured_parity(model: LlamaForCausalLM, max_context: int) -> float:
     one layer of `model` (on the CPU) on this machine: its projections (q/k/v, o, gate/up, down, each through
     whatever path a call of that many rows takes: quantized copy, prepacked or plain weights) over
     DECODING_ROWS + CHUNK_TOKENS rows, against its attention for a CHUNK_TOKENS chunk starting at
-    DEPTH (or as deep as `max_context` allows), masked as a mixed step masks it. Both in
-    milliseconds per token: the matmuls' per row, the attention's per token and attended position."""
+    DEPTH (or as deep as `max_context` allows), masked as a mixed step masks it: the matmuls' time
+    per row over the attention's per token and attended position."""
     config = model.config
     layer = model.model.layers[0]
     dtype = layer.self_attn.qkv.weight.dtype

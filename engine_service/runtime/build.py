@@ -74,8 +74,8 @@ async def build_engine(config: EngineConfig) -> Engine:
         built = await event_loop.run_in_executor(loader, build_runner, cfg, cpu)
     finally:
         loader.shutdown(wait=False)  # its thread, and with it its OpenMP team, ends once idle
-    loaded, runner, precision, compiled_reason = built.loaded, built.runner, built.precision, built.compiled_reason
-    parity = built.parity
+    loaded, runner, precision, compiled_reason, parity = (built.loaded, built.runner, built.precision,
+                                                          built.compiled_reason, built.parity)
     limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)
     info = _engine_info(cfg, loaded, precision, device, cpu)
     budget = PrefillBudget(cfg.max_prefill_tokens, cfg.max_context, parity)
