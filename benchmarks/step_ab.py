@@ -91,8 +91,9 @@ def build(root: Path, name: str, model: str, dtype: str, quantize: str, compile_
                           f"(runtime/build.py's build_runner, from 2026-12-05 on): {e}") from e
     finally:
         sys.path.remove(str(root))
+    attention = getattr(built, "attention_reason", None)  # a ref from before 2026-12-05's decode attention has none
     print(f"{name}: {built.loaded.name} in {built.precision.dtype}, quantization {built.precision.quantize} "
-          f"({built.precision.reason}; {root})", flush=True)
+          f"({built.precision.reason}{f'; decode attention: {attention}' if attention else ''}; {root})", flush=True)
     return Side(name, built.runner._decode)  # the step the loop runs for a step with no prompt chunk
 
 

@@ -18,7 +18,7 @@ from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 from engine_service.machine.cpu import detect
 from engine_service.machine.precision import choose_amx_int4, find_cpp_compiler
-from engine_service.model import q4_matmul
+from engine_service.model import native_build, q4_matmul
 from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.loader import load_model
 from engine_service.model.quantize import (
@@ -184,7 +184,7 @@ def test_an_engine_serving_bfloat16_int4_on_amx_says_so_and_serves_a_long_prompt
 
 
 def test_the_kernels_library_is_kept_apart_from_the_others_in_the_cache(tmp_path: Path) -> None:
-    paths = {name: q4_matmul.library_path(tmp_path, "g++", kernel) for name, kernel in q4_matmul.KERNELS.items()}
+    paths = {name: native_build.library_path(tmp_path, "g++", kernel) for name, kernel in q4_matmul.KERNELS.items()}
     assert len(set(paths.values())) == 3 and paths["amx"].name.startswith("q4_amx-")
 
 

@@ -18,7 +18,7 @@ from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 from engine_service.machine.cpu import detect
 from engine_service.machine.precision import INT16_KERNEL_FLAGS, find_cpp_compiler
-from engine_service.model import int4_race, q4_matmul
+from engine_service.model import int4_race, native_build, q4_matmul
 from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.loader import load_model
 from engine_service.model.quantize import (
@@ -234,7 +234,7 @@ def test_a_race_times_both_kernels_on_the_models_own_shape(kernel: Path) -> None
 def test_the_two_kernels_libraries_are_kept_apart_in_the_cache(tmp_path: Path) -> None:
     compiler = find_cpp_compiler()
     assert compiler is not None
-    paths = {name: q4_matmul.library_path(tmp_path, compiler, kernel) for name, kernel in q4_matmul.KERNELS.items()}
+    paths = {name: native_build.library_path(tmp_path, compiler, kernel) for name, kernel in q4_matmul.KERNELS.items()}
     assert paths["float32"].name.startswith("q4_matmul-") and paths["int16"].name.startswith("q4_int16-")
     assert paths["float32"] != paths["int16"]
 

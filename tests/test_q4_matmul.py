@@ -18,7 +18,7 @@ from engine.v1 import engine_pb2_grpc
 from engine_service.config import EngineConfig
 from engine_service.machine.cpu import detect
 from engine_service.machine.precision import choose_dynamic_head, find_cpp_compiler
-from engine_service.model import q4_matmul
+from engine_service.model import native_build, q4_matmul
 from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.loader import load_model
 from engine_service.model.quantize import Int4Weight, Int8Weight, Q4Weight, int4_groups, quantize_model, quantize_q4
@@ -197,7 +197,7 @@ def test_an_unknown_int4_kernel_is_refused_by_name() -> None:
 
 def test_a_compiler_that_fails_raises_with_its_output(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"exited 1 building q4_matmul.cpp"):
-        q4_matmul._compile("false", tmp_path / "x.so", q4_matmul.KERNELS["float32"])
+        native_build.compile_library("false", tmp_path / "x.so", q4_matmul.KERNELS["float32"])
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
 
 

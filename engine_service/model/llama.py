@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.model.config import ModelConfig
+from engine_service.model.decode_attention import DecodeAttention
 from engine_service.model.kv_cache import KVCache, PromptChunk, additive_mask, chunk_mask, decode_mask
 from engine_service.model.quantize import QuantizedWeight
 
@@ -161,6 +162,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
         self.qkv = Packed(self.q_proj, self.k_proj, self.v_proj)
         self.out = Packed(self.o_proj)
+        # the decoding rows' attention, one token a row: the engine's kernel where set
+        # (LlamaForCausalLM.use_decode_attention), else scaled_dot_product_attention with the mask
+        self.decode_kernel: DecodeAttention | None = None
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[no-untyped-def]
         """cos/sin (B, T, 1, D). Rotary is applied to q and k together, as one tensor."""
@@ -171,9 +175,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
                 slots: torch.Tensor, mask: torch.Tensor | None, chunks: Sequence[PromptChunk],
-                masks: Sequence[torch.Tensor | None], cache: KVCache, tail: torch.Tensor | None = None) -> torch.Tensor:
+                masks: Sequence[torch.Tensor | None], cache: KVCache, tail: torch.Tensor | None = None,
+                lengths: torch.Tensor | None = None) -> torch.Tensor:
         """x (1, M, hidden): first d decoding tokens, n for each of rows 0..b-1 in turn (n = 1 but
-        in a verify step), attending as `mask` (b, 1, n, L) says; then, where `tail` is given, one
+        in a verify step), attending as `mask` (b, 1, n, L) says (with n = 1, row r's keys
+        0..lengths[r]-1, which `decode_kernel` reads where set); then, where `tail` is given, one
         prompt chunk of C tokens in row b, attending as `tail` (C, L') says (additive); else the
         chunks' tokens, one chunk after another. The first d (+ C) tokens are written to the cache
         at `slots` (KVCache.decode_slots of `rows` (d + C,), their rows). The projections run over
@@ -201,9 +207,12 @@ class Attention(nn.Module):
             else:  # n tokens a row (a verify step): (b, KV, G * n, D), head-major, and the mask's rows alike
                 qd = q[0].narrow(1, 0, d).unflatten(1, (b, n)).transpose(0, 1).reshape(b, kv, g * n, dim)
                 mask = mask.repeat(1, 1, g, 1)  # type: ignore[union-attr]
-            out = F.scaled_dot_product_attention(qd, cache.k[self.layer].narrow(0, 0, b).narrow(2, 0, length),
-                                                 cache.v[self.layer].narrow(0, 0, b).narrow(2, 0, length),
-                                                 attn_mask=mask)
+            if n == 1 and self.decode_kernel is not None:  # the cache's rows 0..b-1, row r's first lengths[r] positions
+                out = self.decode_kernel(qd, cache.k[self.layer], cache.v[self.layer], lengths, self.scale)
+            else:
+                out = F.scaled_dot_product_attention(qd, cache.k[self.layer].narrow(0, 0, b).narrow(2, 0, length),
+                                                     cache.v[self.layer].narrow(0, 0, b).narrow(2, 0, length),
+                                                     attn_mask=mask)
             if n > 1:  # back to token order: (b, n, KV, G, D)
                 out = out.unflatten(2, (g, n)).permute(0, 3, 1, 2, 4)
             outs.append(out.reshape(d, width))
@@ -298,6 +307,19 @@ class LlamaForCausalLM(nn.Module):
         sin = emb.sin().to(dtype)
         half = sin.shape[-1] // 2
         self.rope_signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # see apply_rope
+
+    def use_decode_attention(self, kernel: DecodeAttention | None) -> None:
+        """Decoding rows' attention, one token a row, in `kernel` (model/decode_attention.py's
+        operator), or scaled_dot_product_attention with None. Before any trace or compile is made:
+        each bakes in the attention it ran."""
+        for layer in self.model.layers:
+            layer.self_attn.decode_kernel = kernel
+
+    @property
+    def decode_attention(self) -> str | None:
+        """The decoding rows' attention kernel's operator name (use_decode_attention), None for torch's."""
+        kernel = self.model.layers[0].self_attn.decode_kernel if self.model.layers else None
+        return None if kernel is None else str(kernel)
 
     def projections(self) -> list[Packed]:
         """Every matmul of a step, in order, the LM head last (quantize_model quantizes these)."""
@@ -422,9 +444,12 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(tokens).unsqueeze(0)  # (1, M, hidden)
         # boolean masks made additive once here, not by attention in each layer (kv_cache.additive_mask)
         masks = [additive_mask(chunk_mask(c, tokens.device), x.dtype) if c.start else None for c in chunks]
+        # one token a row: row r attends its keys 0..positions[r] (what decode_kernel reads)
+        lengths = None if mask is None or mask.shape[2] != 1 else positions.narrow(0, 0, mask.shape[0]) + 1
         mask = None if mask is None else additive_mask(mask, x.dtype)
         tail = None if tail is None else additive_mask(tail, x.dtype)
         for layer in self.model.layers:
-            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, rows, slots, mask, chunks, masks, cache, tail)
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, rows, slots, mask, chunks, masks, cache, tail,
+                                    lengths)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x[0]

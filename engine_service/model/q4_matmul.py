@@ -23,37 +23,21 @@ with the C++ compiler the compiled step uses, for a model's int4 copies where to
   layers, 2 threads): `docs/decode-speed.md`, "A 16-bit integer int4 kernel". Where it beats
   torch's is decided at start-up by a race (int4_race.py), not assumed.
 
-A library is compiled once (about 10 s) into the compile cache (compiled_decode.cache_dir, a
-`<name>-<digest>.so` keyed on the source, torch's version and the compiler) and loaded from there
-after; `load` says why when it cannot be, and torch's kernel serves then.
+A library is compiled once (about 10 s) into the compile cache and loaded from there after
+(native_build.py); `load` says why when it cannot be, and torch's kernel serves then.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
-import structlog
 import torch
-from torch.utils import cpp_extension
 
-log = structlog.get_logger()
+from engine_service.model import native_build
+from engine_service.model.native_build import Kernel
 
 BLOCK = 32  # inputs a block (a group): a scale, a low and 16 bytes of 4-bit values
 TILE = 16  # output rows the int16 kernel's vectors hold
-
-
-@dataclass(frozen=True)
-class Kernel:
-    name: str  # what --int4-kernel's choice and the compiled step's key call it
-    source: Path
-    flags: tuple[str, ...]  # the instruction sets it is compiled for
-    op: str  # the operator it registers
-
 
 KERNELS = {
     "float32": Kernel("float32", Path(__file__).with_name("q4_matmul.cpp"), ("-mavx2", "-mfma"), "engine_q4::matmul"),
@@ -66,56 +50,14 @@ KERNELS = {
 # a start-up product's largest error relative to its largest value (`probe_error`): the output is
 # rounded to bfloat16 (2^-8), the sums run in another order
 PROBE_TOLERANCE = 0.02
-_loaded: dict[str, Path] = {}
-
-
-def library_path(cache: Path, compiler: str, kernel: Kernel = KERNELS["float32"]) -> Path:
-    """Where the library built from `kernel`'s source by `compiler` for this torch is kept."""
-    digest = hashlib.sha256(kernel.source.read_bytes())
-    digest.update(f"{torch.__version__} {compiler} {torch._C._GLIBCXX_USE_CXX11_ABI} {kernel.flags}".encode())
-    return cache / f"{kernel.source.stem}-{digest.hexdigest()[:32]}.so"
-
-
-def _compile(compiler: str, target: Path, kernel: Kernel) -> None:
-    """Compile `kernel`'s source into `target`, by way of a temporary file in its directory (a reader never
-    sees half a library). Raises RuntimeError with the compiler's output when it fails or takes
-    over 10 minutes."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".partial")
-    os.close(fd)
-    source = kernel.source
-    command = [compiler, "-O3", *kernel.flags, "-fopenmp", "-shared", "-fPIC", "-std=c++20",
-               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-               *(f"-I{p}" for p in cpp_extension.include_paths()), str(source), "-o", partial,
-               *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
-    try:
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
-        except subprocess.TimeoutExpired as err:
-            raise RuntimeError(f"{compiler} did not finish building {source.name} in {err.timeout:.0f} s") from err
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} exited {done.returncode} building {source.name}: {done.stderr[-2000:]}")
-        os.replace(partial, target)
-    finally:
-        Path(partial).unlink(missing_ok=True)
 
 
 def load(compiler: str, cache: Path, kernel: Kernel = KERNELS["float32"]) -> Path:
-    """Build `kernel`'s library if it is not in `cache`, and load it (once a process): then its
-    operator (`torch.ops.engine_q4.matmul`, `torch.ops.engine_q4_int16.matmul`) runs. Raises
-    RuntimeError (the compiler's failure, or torch's refusal to load) or OSError (the cache
+    """Build `kernel`'s library if it is not in `cache`, and load it (once a process; native_build.load):
+    then its operator (`torch.ops.engine_q4.matmul`, `torch.ops.engine_q4_int16.matmul`) runs.
+    Raises RuntimeError (the compiler's failure, or torch's refusal to load) or OSError (the cache
     directory's)."""
-    if kernel.name in _loaded:
-        return _loaded[kernel.name]
-    target = library_path(cache, compiler, kernel)
-    if not target.exists():
-        log.info("q4_kernel_compile_started", kernel=kernel.name, library=str(target))
-        _compile(compiler, target, kernel)
-    torch.ops.load_library(str(target))
-    # what torch.export (the compiled step) needs of the op: its output's shape and dtype
-    torch.library.register_fake(kernel.op)(_matmul_shape if kernel.name == "float32" else _int16_matmul_shape)
-    _loaded[kernel.name] = target
-    return target
+    return native_build.load(compiler, cache, kernel, _matmul_shape if kernel.name == "float32" else _int16_matmul_shape)
 
 
 def _matmul_shape(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> torch.Tensor:
@@ -165,7 +107,6 @@ def probe_error(kernel: Kernel) -> float:
     lows = (-torch.rand(n, k // BLOCK, generator=generator) * 0.05).half()
     weight = (q.view(n, k // BLOCK, BLOCK).float() * scales.float()[..., None] + lows.float()[..., None]).view(n, k)
     x = torch.randn(40, k, generator=generator).to(torch.bfloat16)
-    namespace, name = kernel.op.split("::")
-    out = getattr(getattr(torch.ops, namespace), name)(x, *pack_int16(q, scales.float(), lows.float()))
+    out = native_build.operator(kernel)(x, *pack_int16(q, scales.float(), lows.float()))
     ref = x.float() @ weight.to(torch.bfloat16).float().t()
     return float((out.float() - ref).abs().max() / ref.abs().max())

@@ -20,10 +20,12 @@ from engine_service.generation.speculative import SpeculativeConfig
 from engine_service.machine.cpu import CpuInfo, detect
 from engine_service.machine.precision import (
     AMX_INT4_ON,
+    DECODE_ATTENTION_OFF,
     TORCH_INT4,
     Precision,
     choose_amx_int4,
     choose_compiled_decode,
+    choose_decode_attention,
     choose_dtype,
     choose_dynamic_head,
     choose_onednn_weights,
@@ -33,7 +35,7 @@ from engine_service.machine.precision import (
     keep_q4_kernel,
     onednn_layout_rows,
 )
-from engine_service.model import int4_race, q4_matmul
+from engine_service.model import decode_attention, int4_race, q4_matmul
 from engine_service.model.attention_cost import measured_parity
 from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.config import ModelConfig
@@ -93,6 +95,7 @@ async def build_engine(config: EngineConfig) -> Engine:
              quantize=precision.quantize, precision_reason=precision.reason, cpu=cpu.describe(),
              weight_format=loaded.weight_format, trace_decode=cfg.trace_decode, onednn_weights=runner.onednn_weights,
              compiled_decode=runner.compiled_decode, compiled_decode_reason=compiled_reason,
+             decode_attention=built.attention_reason,
              speculative=cfg.speculative,
              kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
              max_prefill_tokens=cfg.max_prefill_tokens or "auto", attention_parity=round(parity),
@@ -105,13 +108,14 @@ async def build_engine(config: EngineConfig) -> Engine:
 @dataclass(frozen=True)
 class BuiltRunner:
     """What `build_runner` made: the model loaded, its runner, the precision chosen and why, and
-    what engine_ready says of the compiled one-row step."""
+    what engine_ready says of the compiled one-row step and of decode attention."""
 
     loaded: LoadedModel
     runner: ModelRunner
     precision: Precision
     compiled_reason: str
     parity: float  # the prefill budget's attention parity: `chunk_parity`'s
+    attention_reason: str  # who computes the decoding rows' attention, and why: engine_ready's decode_attention
 
 
 def chunk_parity(model: LlamaForCausalLM, config: EngineConfig) -> float:
@@ -143,11 +147,13 @@ def build_runner(cfg: EngineConfig, cpu: CpuInfo) -> BuiltRunner:
     precision = Precision(dtype_name, quantize, "; ".join(reasons))
     compiled, compiled_reason = choose_compiled_decode(cfg.compile_decode, cfg.device, quantize, cfg.trace_decode,
                                                        find_cpp_compiler())
+    attention, attention_reason = _load_decode_attention(dtype_name, cfg.device, cpu, loaded.config)
+    loaded.model.use_decode_attention(attention)  # before the runner traces and compiles its steps
     runner = ModelRunner(
         loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize, cfg.trace_decode, dynamic_head_bits,
         choose_onednn_weights(dtype_name, cfg.device), compiled, int4_kernel,
         1 + cfg.speculative_tokens if cfg.speculative == "ngram" else 0, onednn_layout_rows(cpu), amx_rows)
-    return BuiltRunner(loaded, runner, precision, compiled_reason, chunk_parity(runner.model, cfg))
+    return BuiltRunner(loaded, runner, precision, compiled_reason, chunk_parity(runner.model, cfg), attention_reason)
 
 
 def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo,
@@ -199,6 +205,31 @@ def _load_amx_kernel(int4_kernel: str, cpu: CpuInfo) -> tuple[int, str]:
         log.warning("amx_kernel_failed", error_type="WrongResult", error=f"largest relative error {error:.3g}")
         return 0, f"{AMX_INT4_OFF}: the AMX int4 kernel's product was {error:.3g} off"
     return AMX_INT4_MAX_ROWS, AMX_INT4_ON.format(rows=AMX_INT4_MAX_ROWS)
+
+
+def _load_decode_attention(dtype: str, device: str, cpu: CpuInfo,
+                           config: ModelConfig) -> tuple[decode_attention.DecodeAttention | None, str]:
+    """(the decoding rows' attention kernel, None for torch's; the reason, engine_ready's
+    decode_attention): where choose_decode_attention names a variant, its library built or found in the
+    compile cache, loaded, and run once against float32 attention (model/decode_attention.py)."""
+    compiler = find_cpp_compiler()
+    variant, reason = choose_decode_attention(dtype, device, cpu, compiler, config.dim_per_head,
+                                              config.num_attention_heads // config.num_key_value_heads)
+    if variant is None or compiler is None:
+        return None, reason
+    try:
+        kernel = decode_attention.load(compiler, cache_dir(), variant)
+        error = decode_attention.probe_error(kernel)
+    except (RuntimeError, OSError) as err:
+        # the compiler's failure, torch's refusal to load the library, the cache directory's, or the
+        # kernel's own checks: torch's attention serves, as before, and engine_ready's decode_attention says why
+        log.warning("decode_attention_failed", variant=variant, error_type=type(err).__name__, error=str(err)[:2000])
+        return None, f"{DECODE_ATTENTION_OFF}: the engine's kernel ({variant}) failed ({type(err).__name__})"
+    if error > decode_attention.PROBE_TOLERANCE:
+        log.warning("decode_attention_failed", variant=variant, error_type="WrongResult",
+                    error=f"largest relative error {error:.3g}")
+        return None, f"{DECODE_ATTENTION_OFF}: the engine's kernel ({variant}) was {error:.3g} off"
+    return kernel, reason
 
 
 def _engine_info(cfg: EngineConfig, loaded: LoadedModel, precision: Precision, device: torch.device,

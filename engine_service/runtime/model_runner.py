@@ -79,8 +79,10 @@ class ModelRunner:
         self.compiled_decode = "on" if compile_decode else "off"
         if compile_decode:
             try:
-                # the engine's int4 kernels' copies are no module's tensors, so the setting keys them apart
-                setting = {"quantize": quantize, **({"int4_kernel": int4_kernel} if int4_kernel != "torch" else {})}
+                # the engine's int4 kernels' copies are no module's tensors, and the attention kernel no
+                # module at all, so the setting keys them apart
+                setting = {"quantize": quantize, **({"int4_kernel": int4_kernel} if int4_kernel != "torch" else {}),
+                           **({"decode_attention": model.decode_attention} if model.decode_attention else {})}
                 self._decode = CompiledDecode(model, self.cache, self._decode, cache_dir(), setting)
             except (RuntimeError, OSError) as err:
                 # export's and the C++ compiler's failures (torch raises them as RuntimeError), or

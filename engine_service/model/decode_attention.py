@@ -1,0 +1,71 @@
+"""Decoding rows' attention in the engine's own kernel (`decode_attention.cpp`), for a bfloat16
+model on a CPU (machine/precision.choose_decode_attention decides where): row r's query heads against
+its keys and values at positions 0..lengths[r]-1, read in place from the KV cache, what
+scaled_dot_product_attention computes with the decode mask, at about half its time (torch's flash
+kernel runs two small matrix products and the softmax's buffers for every row and KV head).
+
+Built at start-up for the CPU's vectors: `avx512` (AVX-512) or `avx2` (AVX2 and FMA), each its own
+operator namespace. Its first product is checked against float32 arithmetic (`probe_error`), and a
+failed build, load or check leaves torch's kernel to serve (runtime/build.py). Steps of one token
+a row take it (decode steps, the decoding rows of a mixed step, the compiled one-row step); verify
+steps and prompt chunks keep scaled_dot_product_attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine_service.model import native_build
+from engine_service.model.native_build import Kernel
+
+SOURCE = Path(__file__).with_name("decode_attention.cpp")
+KERNELS = {
+    "avx512": Kernel("decode_attention_avx512", SOURCE,
+                     ("-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512", "-DOP_NAMESPACE=engine_attention_avx512",
+                      "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"),
+                     "engine_attention_avx512::decode"),
+    "avx2": Kernel("decode_attention_avx2", SOURCE,
+                   ("-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2", "-DOP_NAMESPACE=engine_attention_avx2",
+                    "-mavx2", "-mfma"),
+                   "engine_attention_avx2::decode"),
+}
+HEAD_SIZES = (64, 128)  # what the kernel is instantiated for
+MAX_GROUP = 16  # query heads a KV head it takes
+# the start-up product's largest error relative to the largest value (`probe_error`): bfloat16
+# inputs and output (2^-8), float32 sums in another order than the reference's
+PROBE_TOLERANCE = 0.02
+
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def load(compiler: str, cache: Path, variant: str) -> DecodeAttention:
+    """`variant`'s operator (KERNELS), its library built if `cache` lacks it and loaded. Raises
+    RuntimeError (the compiler's failure, or torch's refusal to load) or OSError (the cache's)."""
+    kernel = KERNELS[variant]
+    native_build.load(compiler, cache, kernel, _shape)
+    return native_build.operator(kernel)
+
+
+def probe_error(op: DecodeAttention) -> float:
+    """Run `op` once on random bfloat16 rows (3 rows of 2 KV heads of 3 query heads of 64, at 1,
+    70 and 130 positions: a lone position, a partial block, several blocks) read from a larger
+    cache, and return its largest error relative to the largest value of float32 attention on the
+    same values: a kernel that runs but computes wrongly fails at start-up, not in a step."""
+    generator = torch.Generator().manual_seed(0)
+    rows, heads, group, dim, positions = 3, 2, 3, 64, 160
+    k, v = (torch.randn(rows + 1, heads, positions, dim, generator=generator).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(rows, heads, group, dim, generator=generator).to(torch.bfloat16)
+    lengths = torch.tensor([1, 70, 130])
+    scale = dim ** -0.5
+    out = op(q, k, v, lengths, scale)
+    mask = torch.arange(positions)[None, None, None, :] < lengths[:, None, None, None]
+    ref = F.scaled_dot_product_attention(q.float(), k[:rows].float(), v[:rows].float(), attn_mask=mask)
+    return float((out.float() - ref).abs().max() / ref.abs().max())
