@@ -1,5 +1,5 @@
 """The decoding rows' attention kernel (engine_service/model/decode_attention.cpp, decode_attention.py):
-built with the machine's compiler for its vectors (AVX-512, or AVX2 and FMA), it computes what
+built with the machine's compiler for AVX2 and FMA, it computes what
 scaled_dot_product_attention does with the decode mask, reading each row's first `lengths[r]`
 positions of the cache in place and nothing past them, at every length its 64-key blocks split
 into; refuses malformed operands by name; is checked at start-up; serves a bfloat16 model's
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from engine_service.config import EngineConfig
 from engine_service.machine.cpu import detect
-from engine_service.machine.precision import DECODE_ATTENTION_OFF, find_cpp_compiler
+from engine_service.machine.precision import DECODE_ATTENTION_OFF, DECODE_ATTENTION_ON, find_cpp_compiler
 from engine_service.model import decode_attention
 from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.config import ModelConfig
@@ -26,19 +26,15 @@ from tools.local_engine import EngineProcess
 
 CPU = torch.device("cpu")
 COMPILER = find_cpp_compiler()
-_cpu = detect()
-RUNNABLE = [v for v, ok in (("avx512", _cpu.capability.startswith("AVX512")),
-                            ("avx2", {"avx2", "fma"} <= _cpu.flags)) if ok]
-needs_kernel = pytest.mark.skipif(COMPILER is None or not RUNNABLE,
-                                  reason="the decode attention kernel needs a C++ compiler and AVX2 with FMA or AVX-512")
+needs_kernel = pytest.mark.skipif(COMPILER is None or not {"avx2", "fma"} <= detect().flags,
+                                  reason="the decode attention kernel needs a C++ compiler and AVX2 with FMA")
 
 
-@pytest.fixture(scope="module", params=RUNNABLE or ["none"])
-def kernel(request: pytest.FixtureRequest) -> decode_attention.DecodeAttention:
-    if COMPILER is None or request.param == "none":
-        pytest.skip("no variant of the decode attention kernel runs here")
-    # the engine's own compile cache: the libraries these tests load are the ones their engines build, once
-    return decode_attention.load(COMPILER, cache_dir(), request.param)
+@pytest.fixture(scope="module")
+def kernel() -> decode_attention.DecodeAttention:
+    assert COMPILER is not None
+    # the engine's own compile cache: the library these tests load is the one their engines build, once
+    return decode_attention.load(COMPILER, cache_dir())
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -198,9 +194,8 @@ def test_a_mixed_steps_decoding_rows_take_it_traced_and_eager_alike(kernel) -> N
 def test_build_runner_serves_a_bfloat16_model_with_it_and_says_so() -> None:
     built = build_runner(EngineConfig(model="small", dtype="bfloat16", quantize="none", max_batch=4, max_context=128,
                                       compile_decode="off"), detect())
-    variant = RUNNABLE[0]
-    assert built.attention_reason == f"the engine's kernel ({variant}, built at start-up)"
-    assert built.runner.model.decode_attention == f"engine_attention_{variant}.decode"
+    assert built.attention_reason == DECODE_ATTENTION_ON
+    assert built.runner.model.decode_attention == "engine_attention.decode"
     built = build_runner(EngineConfig(model="small", dtype="float32", quantize="none", max_batch=4, max_context=128,
                                       compile_decode="off"), detect())
     assert built.runner.model.decode_attention is None

@@ -329,39 +329,34 @@ def test_the_amx_kernel_is_chosen_only_beside_the_int16_kernel_where_amx_runs(
     assert choose_amx_int4(kernel, cpu) is chosen
 
 
-OFF = "torch's scaled_dot_product_attention"
+OFF, ON = "torch's scaled_dot_product_attention", "the engine's kernel (AVX2, built at start-up)"
 
 
 @pytest.mark.parametrize(("dtype", "device", "cpu", "compiler", "dim", "group", "answer"), [
-    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 64, 3, ("avx512", "the engine's kernel (avx512, built at start-up)")),
-    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 128, 16, ("avx512", "the engine's kernel (avx512, built at start-up)")),
-    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 128, 1, ("avx512", "the engine's kernel (avx512, built at start-up)")),
-    # torch's dispatch held to AVX2 (ATEN_CPU_CAPABILITY), or an AVX2 machine: the AVX2 build
-    ("bfloat16", "cpu", avx512(ZEN4, capability="AVX2"), "/usr/bin/g++", 64, 3,
-     ("avx2", "the engine's kernel (avx2, built at start-up)")),
-    ("bfloat16", "cpu", avx2("avx2 fma"), "/usr/bin/g++", 64, 3, ("avx2", "the engine's kernel (avx2, built at start-up)")),
-    ("bfloat16", "cpu", avx2("avx2"), "/usr/bin/g++", 64, 3,
-     (None, f"{OFF}: the engine's kernel needs AVX-512, or AVX2 and FMA")),
-    ("bfloat16", "cpu", avx2("fma"), "/usr/bin/g++", 64, 3,
-     (None, f"{OFF}: the engine's kernel needs AVX-512, or AVX2 and FMA")),
+    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 64, 3, (True, ON)),
+    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 128, 16, (True, ON)),
+    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 128, 1, (True, ON)),
+    ("bfloat16", "cpu:0", avx512(ZEN4), "/usr/bin/g++", 64, 3, (True, ON)),
+    ("bfloat16", "cpu", avx2("avx2 fma"), "/usr/bin/g++", 64, 3, (True, ON)),
+    ("bfloat16", "cpu", avx2("avx2"), "/usr/bin/g++", 64, 3, (False, f"{OFF}: the engine's kernel needs AVX2 and FMA")),
+    ("bfloat16", "cpu", avx2("fma"), "/usr/bin/g++", 64, 3, (False, f"{OFF}: the engine's kernel needs AVX2 and FMA")),
     ("bfloat16", "cpu", avx512(ZEN4), None, 64, 3,
-     (None, f"{OFF}: no C++ compiler ($CXX, g++) to build the engine's kernel")),
+     (False, f"{OFF}: no C++ compiler ($CXX, g++) to build the engine's kernel")),
     ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 96, 3,
-     (None, f"{OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 query heads a KV head, the model "
-            "has 96 and 3")),
+     (False, f"{OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 query heads a KV head, the model "
+             "has 96 and 3")),
     ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 64, 17,
-     (None, f"{OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 query heads a KV head, the model "
-            "has 64 and 17")),
+     (False, f"{OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 query heads a KV head, the model "
+             "has 64 and 17")),
     ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 64, 0,
-     (None, f"{OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 query heads a KV head, the model "
-            "has 64 and 0")),
+     (False, f"{OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 query heads a KV head, the model "
+             "has 64 and 0")),
     ("float32", "cpu", avx512(ZEN4), "/usr/bin/g++", 64, 3,
-     (None, f"{OFF}: the engine's kernel serves bfloat16 on a CPU, this is float32 on cpu")),
+     (False, f"{OFF}: the engine's kernel serves bfloat16 on a CPU, this is float32 on cpu")),
     ("bfloat16", "cuda", avx512(ZEN4), "/usr/bin/g++", 64, 3,
-     (None, f"{OFF}: the engine's kernel serves bfloat16 on a CPU, this is bfloat16 on cuda")),
-    ("bfloat16", "cpu:0", avx512(ZEN4), "/usr/bin/g++", 64, 3, ("avx512", "the engine's kernel (avx512, built at start-up)")),
+     (False, f"{OFF}: the engine's kernel serves bfloat16 on a CPU, this is bfloat16 on cuda")),
 ])
-def test_decode_attention_takes_the_engines_kernel_for_bfloat16_where_its_vectors_and_a_compiler_are(
+def test_decode_attention_takes_the_engines_kernel_for_bfloat16_where_avx2_fma_and_a_compiler_are(
         dtype: str, device: str, cpu: CpuInfo, compiler: str | None, dim: int, group: int,
-        answer: tuple[str | None, str]) -> None:
+        answer: tuple[bool, str]) -> None:
     assert choose_decode_attention(dtype, device, cpu, compiler, dim, group) == answer

@@ -153,30 +153,27 @@ def choose_amx_int4(kernel: str, cpu: CpuInfo) -> bool:
 
 
 DECODE_ATTENTION_OFF = "torch's scaled_dot_product_attention"  # choose_decode_attention's refusals begin so
+DECODE_ATTENTION_ON = "the engine's kernel (AVX2, built at start-up)"
 
 
 def choose_decode_attention(dtype: str, device: str, cpu: CpuInfo, compiler: str | None, head_dim: int,
-                            group: int) -> tuple[str | None, str]:
-    """(the variant of the engine's decode attention kernel, `avx512` or `avx2`, or None for torch's
-    scaled_dot_product_attention; the reason, which engine_ready's `decode_attention` carries) for a
-    model in `dtype` whose heads have `head_dim` values and `group` query heads a KV head: a bfloat16
-    model on a CPU with AVX-512 (torch's own dispatch there) or AVX2 and FMA, where a compiler can
-    build it. Not float32, whose decoding stays bit-identical to transformers' attention arithmetic.
-    Measured on the Xeon 207 with AMX: model/decode_attention.py's docstring."""
+                            group: int) -> tuple[bool, str]:
+    """(whether the engine's decode attention kernel computes the decoding rows' attention, instead of
+    torch's scaled_dot_product_attention; the reason, which engine_ready's `decode_attention`
+    carries) for a model in `dtype` whose heads have `head_dim` values and `group` query heads a KV
+    head: a bfloat16 model on a CPU with AVX2 and FMA, where a compiler can build it. Not float32,
+    whose decoding stays bit-identical to transformers' attention arithmetic. Measured on the Xeon
+    207 with AMX: model/decode_attention.py's docstring."""
     if dtype != "bfloat16" or not device.startswith("cpu"):
-        return None, f"{DECODE_ATTENTION_OFF}: the engine's kernel serves bfloat16 on a CPU, this is {dtype} on {device}"
+        return False, f"{DECODE_ATTENTION_OFF}: the engine's kernel serves bfloat16 on a CPU, this is {dtype} on {device}"
     if head_dim not in (64, 128) or not 1 <= group <= 16:
-        return None, (f"{DECODE_ATTENTION_OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 "
-                      f"query heads a KV head, the model has {head_dim} and {group}")
-    if cpu.capability.startswith("AVX512"):
-        variant = "avx512"
-    elif {"avx2", "fma"} <= cpu.flags:
-        variant = "avx2"
-    else:
-        return None, f"{DECODE_ATTENTION_OFF}: the engine's kernel needs AVX-512, or AVX2 and FMA"
+        return False, (f"{DECODE_ATTENTION_OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 "
+                       f"query heads a KV head, the model has {head_dim} and {group}")
+    if not {"avx2", "fma"} <= cpu.flags:
+        return False, f"{DECODE_ATTENTION_OFF}: the engine's kernel needs AVX2 and FMA"
     if compiler is None:
-        return None, f"{DECODE_ATTENTION_OFF}: no C++ compiler ($CXX, g++) to build the engine's kernel"
-    return variant, f"the engine's kernel ({variant}, built at start-up)"
+        return False, f"{DECODE_ATTENTION_OFF}: no C++ compiler ($CXX, g++) to build the engine's kernel"
+    return True, DECODE_ATTENTION_ON
 
 
 def choose_onednn_weights(dtype: str, device: str) -> bool:

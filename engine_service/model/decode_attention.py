@@ -4,8 +4,8 @@ its keys and values at positions 0..lengths[r]-1, read in place from the KV cach
 scaled_dot_product_attention computes with the decode mask, at about half its time (torch's flash
 kernel runs two small matrix products and the softmax's buffers for every row and KV head).
 
-Built at start-up for the CPU's vectors: `avx512` (AVX-512) or `avx2` (AVX2 and FMA), each its own
-operator namespace. Its first product is checked against float32 arithmetic (`probe_error`), and a
+Built at start-up for AVX2 and FMA (AVX-512 was no faster: decode_attention.cpp). Its first
+product is checked against float32 arithmetic (`probe_error`), and a
 failed build, load or check leaves torch's kernel to serve (runtime/build.py). Steps of one token
 a row take it (decode steps, the decoding rows of a mixed step, the compiled one-row step); verify
 steps and prompt chunks keep scaled_dot_product_attention.
@@ -22,17 +22,8 @@ import torch.nn.functional as F
 from engine_service.model import native_build
 from engine_service.model.native_build import Kernel
 
-SOURCE = Path(__file__).with_name("decode_attention.cpp")
-KERNELS = {
-    "avx512": Kernel("decode_attention_avx512", SOURCE,
-                     ("-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512", "-DOP_NAMESPACE=engine_attention_avx512",
-                      "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"),
-                     "engine_attention_avx512::decode"),
-    "avx2": Kernel("decode_attention_avx2", SOURCE,
-                   ("-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2", "-DOP_NAMESPACE=engine_attention_avx2",
-                    "-mavx2", "-mfma"),
-                   "engine_attention_avx2::decode"),
-}
+KERNEL = Kernel("decode_attention", Path(__file__).with_name("decode_attention.cpp"),
+                ("-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2", "-mavx2", "-mfma"), "engine_attention::decode")
 HEAD_SIZES = (64, 128)  # what the kernel is instantiated for
 MAX_GROUP = 16  # query heads a KV head it takes
 # the start-up product's largest error relative to the largest value (`probe_error`): bfloat16
@@ -46,12 +37,11 @@ def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Ten
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def load(compiler: str, cache: Path, variant: str) -> DecodeAttention:
-    """`variant`'s operator (KERNELS), its library built if `cache` lacks it and loaded. Raises
-    RuntimeError (the compiler's failure, or torch's refusal to load) or OSError (the cache's)."""
-    kernel = KERNELS[variant]
-    native_build.load(compiler, cache, kernel, _shape)
-    return native_build.operator(kernel)
+def load(compiler: str, cache: Path) -> DecodeAttention:
+    """The kernel's operator, its library built if `cache` lacks it and loaded. Raises RuntimeError
+    (the compiler's failure, or torch's refusal to load) or OSError (the cache directory's)."""
+    native_build.load(compiler, cache, KERNEL, _shape)
+    return native_build.operator(KERNEL)
 
 
 def probe_error(op: DecodeAttention) -> float:

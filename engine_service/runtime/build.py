@@ -210,25 +210,24 @@ def _load_amx_kernel(int4_kernel: str, cpu: CpuInfo) -> tuple[int, str]:
 def _load_decode_attention(dtype: str, device: str, cpu: CpuInfo,
                            config: ModelConfig) -> tuple[decode_attention.DecodeAttention | None, str]:
     """(the decoding rows' attention kernel, None for torch's; the reason, engine_ready's
-    decode_attention): where choose_decode_attention names a variant, its library built or found in the
+    decode_attention): where choose_decode_attention takes it, its library built or found in the
     compile cache, loaded, and run once against float32 attention (model/decode_attention.py)."""
     compiler = find_cpp_compiler()
-    variant, reason = choose_decode_attention(dtype, device, cpu, compiler, config.dim_per_head,
-                                              config.num_attention_heads // config.num_key_value_heads)
-    if variant is None or compiler is None:
+    chosen, reason = choose_decode_attention(dtype, device, cpu, compiler, config.dim_per_head,
+                                             config.num_attention_heads // config.num_key_value_heads)
+    if not chosen or compiler is None:
         return None, reason
     try:
-        kernel = decode_attention.load(compiler, cache_dir(), variant)
+        kernel = decode_attention.load(compiler, cache_dir())
         error = decode_attention.probe_error(kernel)
     except (RuntimeError, OSError) as err:
         # the compiler's failure, torch's refusal to load the library, the cache directory's, or the
         # kernel's own checks: torch's attention serves, as before, and engine_ready's decode_attention says why
-        log.warning("decode_attention_failed", variant=variant, error_type=type(err).__name__, error=str(err)[:2000])
-        return None, f"{DECODE_ATTENTION_OFF}: the engine's kernel ({variant}) failed ({type(err).__name__})"
+        log.warning("decode_attention_failed", error_type=type(err).__name__, error=str(err)[:2000])
+        return None, f"{DECODE_ATTENTION_OFF}: the engine's kernel failed ({type(err).__name__})"
     if error > decode_attention.PROBE_TOLERANCE:
-        log.warning("decode_attention_failed", variant=variant, error_type="WrongResult",
-                    error=f"largest relative error {error:.3g}")
-        return None, f"{DECODE_ATTENTION_OFF}: the engine's kernel ({variant}) was {error:.3g} off"
+        log.warning("decode_attention_failed", error_type="WrongResult", error=f"largest relative error {error:.3g}")
+        return None, f"{DECODE_ATTENTION_OFF}: the engine's kernel was {error:.3g} off"
     return kernel, reason
 
 
