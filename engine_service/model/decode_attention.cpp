@@ -3,8 +3,8 @@
 // the KV cache. What scaled_dot_product_attention computes with the decode mask (a prefix of each
 // row), without its machinery: torch's CPU flash kernel runs two small matrix products and the
 // softmax's buffers for every (row, KV head), whose fixed cost is most of the call at one query
-// token (SmolLM2 in bfloat16, 8 rows at 200 positions, 2 threads, Xeon 207: 277 us a layer against
-// 136 here; docs/decode-speed.md, "Decode attention").
+// token (SmolLM2 in bfloat16, 8 rows at 200 positions, 2 threads, Xeon 207: 260-277 us a layer,
+// this kernel 97; docs/decode-speed.md, "Decode attention in the engine's kernel").
 //
 // One task a (row, KV head): its G queries, scaled, held in float32 vectors; the keys in blocks of
 // BLOCK positions: each key widened to float32 once and dotted with the G queries, then the block's

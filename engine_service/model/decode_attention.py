@@ -1,8 +1,9 @@
 """Decoding rows' attention in the engine's own kernel (`decode_attention.cpp`), for a bfloat16
 model on a CPU (machine/precision.choose_decode_attention decides where): row r's query heads against
 its keys and values at positions 0..lengths[r]-1, read in place from the KV cache, what
-scaled_dot_product_attention computes with the decode mask, at about half its time (torch's flash
-kernel runs two small matrix products and the softmax's buffers for every row and KV head).
+scaled_dot_product_attention computes with the decode mask, in a third to a half of its time
+(torch's flash kernel runs two small matrix products and the softmax's buffers for every row and KV
+head; docs/decode-speed.md, "Decode attention in the engine's kernel").
 
 Built at start-up for AVX2 and FMA (AVX-512 was no faster: decode_attention.cpp). Its first
 product is checked against float32 arithmetic (`probe_error`), and a
