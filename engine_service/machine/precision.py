@@ -26,7 +26,7 @@ The table, from measurements of SmolLM2-135M with 2 threads (README, "Precision"
 
 - a bfloat16 model's decoding rows' attention on a CPU with AVX2 and FMA: the engine's kernel
   (model/decode_attention.py), which reads each row's keys in place up to its length instead of
-  torch's flash kernel's small matrix products (decode steps 0.79-0.91x on the Xeon 207); float32
+  torch's flash kernel's small matrix products (decode steps 0.67-0.88x on the Xeon 207); float32
   keeps torch's, bit-identical to transformers.
 
 - the decode step of one row compiled by AOTInductor (model/compiled_decode.py) on a CPU, for a
