@@ -171,7 +171,7 @@ def choose_decode_attention(dtype: str, device: str, cpu: CpuInfo, compiler: str
     207 with AMX: model/decode_attention.py's docstring."""
     if dtype != "bfloat16" or not device.startswith("cpu"):
         return False, f"{DECODE_ATTENTION_OFF}: the engine's kernel serves bfloat16 on a CPU, this is {dtype} on {device}"
-    if head_dim not in (64, 128) or not 1 <= group <= 16:
+    if head_dim not in (64, 128) or not 1 <= group <= 16:  # decode_attention.cpp's instantiations and arrays
         return False, (f"{DECODE_ATTENTION_OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 "
                        f"query heads a KV head, the model has {head_dim} and {group}")
     if not {"avx2", "fma"} <= cpu.flags:

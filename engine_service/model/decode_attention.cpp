@@ -13,10 +13,11 @@
 // output is rounded to the query's dtype once, at the end. Four keys are scored at a time, their
 // four horizontal sums in one set of shuffles. While a block's keys are scored its values are
 // fetched, and while its values are added the next block's keys (8 rows at 200 / 1,000 positions:
-// 101-112 / 486-512 us against 145-147 / 663-669 without, microbenchmark, layers cycled). Compiled at start-up for AVX2 with FMA, through
-// ATen's 8-lane vectors: on the Xeon 207, AVX-512's 16 lanes were no faster (8 rows at 200 / 1,000
-// positions: 96 / 530 us against 97 / 444, microbenchmark; 141 / 674 against 102 / 466 before the
-// four-key sums), and every CPU class the engine meets has AVX2.
+// 101-112 / 486-512 us against 145-147 / 663-669 without, microbenchmark, layers cycled).
+// Compiled at start-up for AVX2 with FMA, through ATen's 8-lane vectors: on the Xeon 207,
+// AVX-512's 16 lanes were no faster (8 rows at 200 / 1,000 positions: 96 / 530 us against 97 /
+// 444, microbenchmark; 141 / 674 against 102 / 466 before the four-key sums), and every CPU class
+// the engine meets has AVX2.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>

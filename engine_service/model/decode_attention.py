@@ -6,10 +6,11 @@ scaled_dot_product_attention computes with the decode mask, in a third to a half
 head; docs/decode-speed.md, "Decode attention in the engine's kernel").
 
 Built at start-up for AVX2 and FMA (AVX-512 was no faster: decode_attention.cpp). Its first
-product is checked against float32 arithmetic (`probe_error`), and a
-failed build, load or check leaves torch's kernel to serve (runtime/build.py). Steps of one token
-a row take it (decode steps, the decoding rows of a mixed step, the compiled one-row step); verify
-steps and prompt chunks keep scaled_dot_product_attention.
+product is checked against float32 arithmetic (`probe_error`), and a failed build, load or check
+leaves torch's kernel to serve (runtime/build.py). Steps of one token a row take it (decode steps,
+the decoding rows of a mixed step, the compiled one-row step); verify steps and prompt chunks keep
+scaled_dot_product_attention. The heads it takes (64 or 128 values, 1-16 query heads a KV head:
+the .cpp's instantiations and arrays) are precision.choose_decode_attention's to check.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from engine_service.model.native_build import Kernel
 
 KERNEL = Kernel("decode_attention", Path(__file__).with_name("decode_attention.cpp"),
                 ("-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2", "-mavx2", "-mfma"), "engine_attention::decode")
-HEAD_SIZES = (64, 128)  # what the kernel is instantiated for
-MAX_GROUP = 16  # query heads a KV head it takes
 # the start-up product's largest error relative to the largest value (`probe_error`): bfloat16
 # inputs and output (2^-8), float32 sums in another order than the reference's
 PROBE_TOLERANCE = 0.02
