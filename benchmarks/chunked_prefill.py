@@ -2,6 +2,7 @@
 long prompt pay for it?
 
     python benchmarks/chunked_prefill.py [--model smollm2] [--dtype auto] [--quantize auto] [--budgets auto,96,2048]
+                                         [--rounds 3] [--steps DIR]
 
 For each per-step prefill budget (`--max-prefill-tokens`; the first is the engine's default), one
 engine, a warm-up prompt, then `--rounds` rounds (3 by default), each measuring two things back to
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import time
@@ -117,6 +119,10 @@ def main() -> None:
     parser.add_argument("--budgets", default="auto,96",
                         help="--max-prefill-tokens values (auto or a count), comma-separated (the first is the reference)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of both measurements, alternating their order")
+    parser.add_argument("--steps", type=Path, metavar="DIR",
+                        help="write each budget's prefilling steps (the engine's debug events prefill_step and "
+                             "sliced_prefill_step: rows, tokens, sublayers, ms, the budget's estimates) to "
+                             "DIR/steps-BUDGET.jsonl")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be positive, got {args.rounds}")
@@ -128,8 +134,14 @@ def main() -> None:
         with EngineProcess("--model", args.model, "--dtype", args.dtype, "--quantize", args.quantize,
                            "--max-prefill-tokens", budget,
                            "--max-context", "2048", "--threads", "0", "--compile-decode", "auto",
-                           start_timeout=300) as proc:  # the product's defaults; a first compile is minutes
+                           start_timeout=300,  # the product's defaults; a first compile is minutes
+                           env={"ENGINE_LOG_LEVEL": "debug"} if args.steps else None) as proc:
             rounds = asyncio.run(measure(proc.address, 100_000 * (n + 1), args.rounds))
+            if args.steps:
+                args.steps.mkdir(parents=True, exist_ok=True)
+                steps = sorted(proc.events_named("prefill_step") + proc.events_named("sliced_prefill_step"),
+                               key=lambda e: e["timestamp"])
+                (args.steps / f"steps-{budget}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in steps))
         for r, (alone, tpot, gap, loaded) in enumerate(rounds):
             print(f"budget {budget:>5}, round {r + 1}: TTFT alone {alone * 1e3:7.0f} ms, with streams {loaded * 1e3:7.0f} ms "
                   f"({loaded / alone:.2f}x); steady TPOT median {tpot * 1e3:5.1f} ms, largest gap {gap * 1e3:6.0f} ms "

@@ -430,24 +430,52 @@ class LlamaForCausalLM(nn.Module):
         hidden = self._forward(tokens, positions, rows, mask, (), cache, tail)
         return self._logits(hidden.index_select(0, picked))
 
+    @torch.inference_mode()
+    def prefill_sublayers(self, tokens: torch.Tensor, hidden: torch.Tensor | None, chunk: PromptChunk,
+                          sublayers: range, cache: KVCache) -> torch.Tensor:
+        """One prompt chunk alone through `sublayers`, nothing decoding: 2i is layer i's attention
+        (its norm, projections and attention, added to the residual), 2i + 1 its MLP. From the
+        chunk's `tokens` (T,) where `hidden` is None (the span starts at 0), else from the span
+        before's output `hidden` (T, hidden). Its keys and values in those layers go into its row;
+        returns the output (T, hidden). Spans that cover the sublayers in turn give the bits of
+        `step` with the chunk alone (tests/test_sliced_prefill.py)."""
+        positions = torch.arange(chunk.start, chunk.start + chunk.length, device=tokens.device)
+        return self._forward(tokens, positions, positions[:0], None, (chunk,), cache, hidden=hidden,
+                             sublayers=sublayers)
+
+    def chunk_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits (1, V) of a chunk's last token from its last layer's output `hidden` (T, hidden)."""
+        return self._logits(hidden[-1:])
+
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None,
-                 chunks: Sequence[PromptChunk], cache: KVCache, tail: torch.Tensor | None = None) -> torch.Tensor:
+                 chunks: Sequence[PromptChunk], cache: KVCache, tail: torch.Tensor | None = None,
+                 hidden: torch.Tensor | None = None, sublayers: range | None = None) -> torch.Tensor:
         """The layers over M tokens (see `Attention.forward`; `tail` boolean here); returns the final
-        hidden states (M, hidden)."""
-        m = tokens.shape[0]
+        hidden states (M, hidden). Or the span `sublayers` of them only (prefill_sublayers), from
+        `hidden` (M, hidden) where given, the span before's output, instead of the embeddings."""
+        m = positions.shape[0]
         cos = self.rope_cos[positions].view(1, m, 1, -1)  # (B=1, T=M, 1, D)
         sin = self.rope_signed_sin[positions].view(1, m, 1, -1)
         slots = cache.decode_slots(rows, positions[:rows.shape[0]])  # once for every layer
         # a chunk from position 0 is plain causal attention: is_causal skips the blocks above the
         # diagonal, the same bits as the mask (SmolLM2, bfloat16, 2 threads, Xeon, ms a layer at
         # 1,000/2,000 tokens: 15/50 against 22/85)
-        x = self.model.embed_tokens(tokens).unsqueeze(0)  # (1, M, hidden)
+        x = (self.model.embed_tokens(tokens) if hidden is None else hidden).unsqueeze(0)  # (1, M, hidden)
         # boolean masks made additive once here, not by attention in each layer (kv_cache.additive_mask)
-        masks = [additive_mask(chunk_mask(c, tokens.device), x.dtype) if c.start else None for c in chunks]
+        masks = [additive_mask(chunk_mask(c, positions.device), x.dtype) if c.start else None for c in chunks]
         # one token a row: row r attends its keys 0..positions[r] (what decode_kernel reads)
         lengths = None if mask is None or mask.shape[2] != 1 else positions.narrow(0, 0, mask.shape[0]) + 1
         mask = None if mask is None else additive_mask(mask, x.dtype)
         tail = None if tail is None else additive_mask(tail, x.dtype)
+        if sublayers is not None:
+            for sub in sublayers:
+                layer = self.model.layers[sub // 2]
+                if sub % 2:
+                    x = x + layer.mlp(layer.post_attention_layernorm(x))
+                else:
+                    x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, rows, slots, mask, chunks, masks,
+                                            cache, tail, lengths)
+            return x[0]
         for layer in self.model.layers:
             x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, rows, slots, mask, chunks, masks, cache, tail,
                                     lengths)

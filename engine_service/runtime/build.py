@@ -8,6 +8,7 @@ that fails raises (the server logs `engine_start_failed` and exits 2): no half-b
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -47,7 +48,7 @@ from engine_service.runtime.engine import Engine, EngineInfo, FatalCallback
 from engine_service.runtime.loop import DecodeLoop, Deliver, set_threads
 from engine_service.runtime.model_runner import ModelRunner
 from engine_service.runtime.speculator import Speculator
-from engine_service.scheduling.prefill_budget import PrefillBudget, attention_parity
+from engine_service.scheduling.prefill_budget import PrefillBudget, attention_parity, attention_share
 from engine_service.scheduling.prefix_cache import PrefixCache
 from engine_service.scheduling.scheduler import Scheduler
 
@@ -80,9 +81,11 @@ async def build_engine(config: EngineConfig) -> Engine:
                                                           built.compiled_reason, built.parity)
     limits = Limits(loaded.config.vocab_size, cfg.max_context, cfg.max_new_tokens_limit)
     info = _engine_info(cfg, loaded, precision, device, cpu)
-    budget = PrefillBudget(cfg.max_prefill_tokens, cfg.max_context, parity)
+    # long prompts beside decoding rows layer-sliced with the adaptive budget (prefill_budget.py)
+    budget = PrefillBudget(cfg.max_prefill_tokens, cfg.max_context, parity, sublayers=2 * loaded.config.num_hidden_layers,
+                           attention_share=attention_share(loaded.config))
     scheduler = Scheduler(cfg.max_batch, cfg.max_context, cfg.queue_capacity, cfg.queue_retry_seconds,
-                          prefill_token_budget=budget.tokens(1, 0))
+                          prefill_token_budget=budget.tokens(1, 0), slicer=budget)
 
     def decode_loop(deliver: Deliver, on_fatal: FatalCallback) -> DecodeLoop:
         return DecodeLoop(runner, scheduler, FaultInjector(cfg.faults), _end_tokens(loaded), deliver, on_fatal,
@@ -153,6 +156,10 @@ def build_runner(cfg: EngineConfig, cpu: CpuInfo) -> BuiltRunner:
         loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize, cfg.trace_decode, dynamic_head_bits,
         choose_onednn_weights(dtype_name, cfg.device), compiled, int4_kernel,
         1 + cfg.speculative_tokens if cfg.speculative == "ngram" else 0, onednn_layout_rows(cpu), amx_rows)
+    if cfg.max_prefill_tokens is None:  # the adaptive budget, which layer-slices long prompts (prefill_budget.py)
+        started = time.monotonic()
+        runner.warm_sliced_prefill()
+        log.info("sliced_prefill_warmed", seconds=round(time.monotonic() - started, 2))
     return BuiltRunner(loaded, runner, precision, compiled_reason, chunk_parity(runner.model, cfg), attention_reason)
 
 

@@ -26,7 +26,7 @@ from engine_service.runtime.speculator import Speculator
 from engine_service.scheduling.prefill_budget import PrefillBudget
 from engine_service.scheduling.prefix_cache import PrefixCache
 from engine_service.scheduling.scheduler import Scheduler
-from engine_service.scheduling.sequence import Sequence
+from engine_service.scheduling.sequence import PromptSlice, Sequence
 from engine_service.scheduling.step_plan import Prefill, StepPlan
 from shared.errors import DeadlineExceeded, SequenceError
 
@@ -105,12 +105,16 @@ class DecodeLoop:
         started = time.perf_counter()
         logits = self.runner.forward(plan)
         for i, p in enumerate(plan.prefills):
+            if not p.done:  # a layer-sliced chunk with layers still to run
+                p.seq.slice = PromptSlice(p.chunk.length, p.sublayers.stop)  # type: ignore[union-attr]
+                continue
+            p.seq.slice = None
             p.seq.cache_len = p.chunk.start + p.chunk.length
             prefix.offer(p.seq.request.prompt_ids, cache, p.row, p.seq.cache_len)
             if i in logits.prompt:
                 self._echo(p, logits.prompt[i])
         producing = plan.producing
-        tokens = self._tokens(logits.sampled, plan)
+        tokens = self._tokens(logits.sampled, plan) if producing else []
         self._time(plan, tokens, time.perf_counter() - started)
         # emit: one sequence failing is that sequence's business alone
         emitted_at = time.monotonic()
@@ -171,7 +175,13 @@ class DecodeLoop:
 
     def _time_prefill(self, plan: StepPlan, seconds: float) -> None:
         """Give a plain step's time to the prefill budget, which adapts to it."""
-        decoding, fed = len(plan.decodes), plan.prefill_tokens
+        decoding, fed, sliced = len(plan.decodes), plan.prefill_tokens, plan.sliced
+        if sliced is not None and sliced.sublayers is not None:
+            span = sliced.sublayers
+            self.prefill_budget.observe_slice(decoding, sliced.chunk, span.first, span.stop, seconds)
+            log.debug("sliced_prefill_step", decoding=decoding, tokens=fed, position=sliced.chunk.start,
+                      sublayers=[span.first, span.stop], ms=round(seconds * 1000, 1), **self.prefill_budget.describe())
+            return
         self.prefill_budget.observe(decoding, [p.chunk for p in plan.prefills], seconds)
         if fed and decoding:
             log.debug("prefill_step", decoding=decoding, tokens=fed, position=plan.prefills[0].chunk.start,

@@ -3,7 +3,9 @@ step's prompt chunks, in one pass over the weights, as the step's plan lays them
 (scheduling/step_plan.py). A step with no chunk, the steady state, runs the traced decode
 (traced_decode.py), or at one row the compiled one where it is on (compiled_decode.py); a step of
 decoding rows beside one prompt chunk, what a long prompt arriving among running streams makes,
-runs traced too (TracedMixed)."""
+runs traced too (TracedMixed). A layer-sliced prompt chunk (step_plan.SublayerSpan) runs after the
+decoding rows' step, alone through this step's span of the layers; the runner holds its output
+between steps."""
 
 from __future__ import annotations
 
@@ -20,9 +22,14 @@ from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.quantize import quantize_model
 from engine_service.model.traced_decode import TracedDecode, TracedMixed, TracedVerify
-from engine_service.scheduling.step_plan import Prefill, StepPlan
+from engine_service.scheduling.prefill_budget import SLICE_BUCKET
+from engine_service.scheduling.sequence import Sequence
+from engine_service.scheduling.step_plan import DecodeRow, PlanError, Prefill, StepPlan
 
 log = structlog.get_logger()
+
+WARM_ROWS = 4096  # warm_sliced_prefill's largest row count (a chunk the budget makes is smaller, but at long contexts)
+
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,8 @@ class ModelRunner:
                 self._verify_traced = TracedVerify(model, self.cache, verify_tokens)
             except RuntimeError as err:  # the tracer's failures; the eager verify step gives the same tokens
                 log.warning("verify_trace_failed", error_type=type(err).__name__, error=str(err))
+        # the layer-sliced chunk in flight: its sequence, the chunk and its last span's output (T, hidden)
+        self._sliced: tuple[Sequence, PromptChunk, torch.Tensor] | None = None
         # what engine_ready says of the compiled step: on, off, or why it failed
         self.compiled_decode = "on" if compile_decode else "off"
         if compile_decode:
@@ -95,9 +104,66 @@ class ModelRunner:
         each decode row's (fed its last token, or in a speculative plan its last token and its
         draft: 1 + len(draft) rows), then the last prompt token's of each prefill that completes its
         prompt. Prefills whose request has echo_prompt_logprobs also give every token's
-        (StepLogits.prompt). The decode rows are KV rows 0..d-1, which is what model.decode reads."""
-        if plan.speculative:
-            return self._verify(plan)
+        (StepLogits.prompt). The decode rows are KV rows 0..d-1, which is what model.decode reads.
+        A layer-sliced chunk runs after the decoding rows, and its completing row comes last."""
+        sliced = plan.sliced
+        if sliced is None:
+            return self._verify(plan.decodes, plan.prefills) if plan.speculative else self._step(plan)
+        if not plan.decodes:
+            logits = None
+        else:
+            logits = self._verify(plan.decodes, ()) if plan.speculative else self._step(StepPlan(plan.decodes, ()))
+        last = self._slice(sliced)
+        if last is None:
+            return logits if logits is not None else StepLogits(torch.empty(0, 0, device=self.device))
+        return StepLogits(last if logits is None else torch.cat([logits.sampled, last]))
+
+    def _slice(self, prefill: Prefill) -> torch.Tensor | None:
+        """`prefill`'s chunk through its span of sublayers (prefill.sublayers), from the span before's
+        output, which the runner holds; the logits (1, V) of its last token where it completes its
+        prompt, else None."""
+        span, chunk = prefill.sublayers, prefill.chunk
+        assert span is not None
+        padded = self._padded(chunk)
+        hidden = None
+        if span.first:
+            held = self._sliced
+            if held is None or held[0] is not prefill.seq or held[1] != chunk:
+                raise PlanError(f"layer-sliced prefill of {prefill.seq.request_id}: sublayers from {span.first} "
+                                "on, but no output of the layers before is held for it")
+            hidden = held[2]
+        tokens = self._prompt_tokens([prefill])
+        tokens = torch.cat([tokens, tokens[-1:].expand(padded.length - chunk.length)])
+        out = self.model.prefill_sublayers(tokens, hidden, padded, range(span.first, span.stop), self.cache)
+        self._sliced = None if span.last else (prefill.seq, chunk, out)
+        return self.model.chunk_logits(out[:chunk.length]) if prefill.completes else None
+
+    def _padded(self, chunk: PromptChunk) -> PromptChunk:
+        """`chunk` padded to a multiple of SLICE_BUCKET tokens (the budget sizes every sliced chunk
+        so but a prompt's last) where the row has the positions, so that its matmuls' row counts
+        are the few warm_sliced_prefill made at start-up: the padding's keys and values land past
+        the chunk, where no token attends and the prompt's next tokens, or the generated ones,
+        overwrite them."""
+        bucket = -(-chunk.length // SLICE_BUCKET) * SLICE_BUCKET
+        return chunk._replace(length=max(chunk.length, min(bucket, self.cache.max_context - chunk.start)))
+
+    def warm_sliced_prefill(self) -> None:
+        """Run the first layer's projections over each multiple of SLICE_BUCKET rows up to
+        WARM_ROWS (and the context), so that oneDNN makes its kernels for those row counts now and
+        not in a step beside decoding rows: a new count cost 30-45 ms there, against 20-45 ms for
+        a 2,000-token chunk's layer itself (SmolLM2 in bfloat16, Xeon 207 with AMX)."""
+        layer = self.model.model.layers[0]
+        hidden, width = self.model.config.hidden_size, layer.mlp.size
+        for rows in range(SLICE_BUCKET, min(self.cache.max_context, WARM_ROWS) + 1, SLICE_BUCKET):
+            x = torch.zeros(1, rows, hidden, dtype=self.cache.k.dtype, device=self.device)
+            layer.self_attn.qkv(x)
+            layer.self_attn.out(torch.zeros(1, rows, layer.self_attn.heads * layer.self_attn.head_dim,
+                                            dtype=x.dtype, device=self.device))
+            layer.mlp.gate_up(x)
+            layer.mlp.down(torch.zeros(1, rows, width, dtype=x.dtype, device=self.device))
+
+    def _step(self, plan: StepPlan) -> StepLogits:
+        """A plain step's logits (no draft, no layer-sliced chunk), as `forward` lays them out."""
         decodes, prefills = plan.decodes, plan.prefills
         tokens = torch.tensor([d.seq.generated[-1] for d in decodes], dtype=torch.long, device=self.device)
         positions = torch.tensor([d.seq.cache_len for d in decodes], dtype=torch.long, device=self.device)
@@ -126,17 +192,16 @@ class ModelRunner:
             return None
         return self._mixed(tokens, positions, prompt, prefill.chunk, prefill.completes)
 
-    def _verify(self, plan: StepPlan) -> StepLogits:
+    def _verify(self, decodes: Seq[DecodeRow], prefills: Seq[Prefill]) -> StepLogits:
         """Each decode row as a chunk of its last token and its draft at its next positions, in its
         row (the keys and values of rejected draft tokens are overwritten later: the row's
         cache_len moves past accepted tokens only), then the prefills' chunks."""
-        prefills = plan.prefills
-        fed = [[d.seq.generated[-1], *d.draft] for d in plan.decodes]
+        fed = [[d.seq.generated[-1], *d.draft] for d in decodes]
         if len(fed) == 1 and not prefills:
-            logits = self._verify_traced_row(fed[0], plan.decodes[0].seq.cache_len)
+            logits = self._verify_traced_row(fed[0], decodes[0].seq.cache_len)
             if logits is not None:
                 return StepLogits(logits)
-        chunks = [PromptChunk(d.row, d.seq.cache_len, len(f)) for d, f in zip(plan.decodes, fed, strict=True)]
+        chunks = [PromptChunk(d.row, d.seq.cache_len, len(f)) for d, f in zip(decodes, fed, strict=True)]
         tokens = torch.tensor([t for f in fed for t in f], dtype=torch.long, device=self.device)
         none = tokens[:0]
         echo = {i for i, p in enumerate(prefills) if p.seq.request.echo_prompt_logprobs}

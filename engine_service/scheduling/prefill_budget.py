@@ -57,6 +57,36 @@ in bfloat16 with int4 decode, 8 rows decoding, Xeon (AVX-512 BF16, no AMX), ms a
 ms, 1.74x, where the weights give 1.64x. Without it the budget held at its floor (32 tokens) to the
 end and the streams' gap at 5.27x their TPOT on that Xeon.
 
+Layer-sliced prefill (`slice_tokens`, `slice_stop`; scheduler.Slicer). A prompt with more than
+MIN_SLICE_TOKENS to go that would take more than one plain chunk beside decoding rows is not
+chunked by tokens into mixed steps: it runs in large chunks, each through a span of the model's
+sublayers a step (2i layer i's attention, 2i + 1 its MLP), after the decoding rows' own
+decode-only step, until its last sublayer gives the first token. Why: a mixed step's fixed part,
+F, about 1.7 decode steps on the Xeon 207 with AMX (the full weights' pass at 16-72 rows, or the
+AMX int4 kernel's widening), leaves a chunk (S - F) of a step of S decode steps, and the prompt
+waits S / (S - F) times its work: 2-2.7x its TTFT alone there (bound 1.6x), while the steps still
+overran (the streams' gap 4.5-4.6x, bound 4x). A sliced step pays one decode step (the decoding
+rows' fast path) and the chunk's sublayers at about an idle prefill's cost a token (2,000 or 512
+rows: the matmuls at their full rate), so the prompt waits S / (S - 1) times its work; with
+SLICE_STALL_FACTOR 3 that is 1.5x at a full share, the step's sublayers being whole.
+- the step's share: (SLICE_STALL_FACTOR - 1) decode steps, in idle prefill's tokens, over the
+  slice cost (a moving average of the sliced steps' time beyond their decode step, against idle
+  prefill's cost of their sublayers' share: `observe_slice`);
+- a sublayer's weight: an attention's tokens weigh attention_share of a layer's matmuls plus its
+  attention at their positions (1 / parity a position), an MLP's the rest of the matmuls;
+- a chunk's tokens: those of which SPAN_SUBLAYERS sublayers fill the share, in whole SLICE_BUCKETs
+  (the runner pads the prompt's last chunk to one, and has oneDNN make those row counts' kernels
+  at start-up: a new count cost 30-45 ms inside a step), at least MIN_SLICE_TOKENS, and all the
+  rest where less than that would be left;
+- no slicing with a fixed budget (`--max-prefill-tokens N` chunks by N tokens), with no decoding
+  row (nobody waits: the whole prompt runs at once), for a prompt whose log-probabilities are
+  echoed, or before a decode-only step and an idle prefill have been timed.
+Measured with benchmarks/chunked_prefill.py (Xeon 207 with AMX, 4 rounds a run, medians): with
+`--quantize auto` the streams' largest gap 3.65x and 3.72x their TPOT (plain chunks: 4.5-4.6x),
+the long prompt's TTFT 1.77x and 2.45x alone (2.2-2.7x); with `--quantize none` 3.53x and 3.75x
+(4.0-4.3x), TTFT 1.56x and 1.90x (1.4-1.8x). The machine's speed moved 1.5-2x within these runs
+(the TTFT alone 811-1,643 ms); docs/decode-speed.md has the steps' log.
+
 The engine gives its budget a parity measured at start-up on a CPU (runtime/build.chunk_parity,
 model/attention_cost.py: one layer's projections over a chunk's rows against its attention at
 depth), held within 1/8 and 2x of the FLOPs' one: attention runs at a lower FLOP rate than the
@@ -78,6 +108,20 @@ MIN_CHUNK_COST, MAX_CHUNK_COST = 1.0, 4.0  # the learned chunk cost's bounds (on
 MIN_TOKENS = 16  # one prefix-cache block: a smaller chunk pays a step's fixed cost for little
 START_TOKENS = 96  # before the loop has timed a decode-only step and an idle prefill
 SMOOTHING = 0.3  # weight of the newest measurement in each moving average
+SLICE_STALL_FACTOR = 3.0  # a layer-sliced step's target, in decode steps (module docstring)
+SPAN_SUBLAYERS = 4  # a sliced chunk's size: about this many of its sublayers fill a step (slice_tokens)
+SLICE_BUCKET = 128  # a sliced chunk's tokens: a whole number of these, or the prompt's rest (the runner pads it)
+MIN_SLICE_TOKENS = 512  # a prompt with no more to go prefills in plain chunks; a smaller sliced chunk is the prompt's rest
+SLICE_COST = 1.0  # a sliced chunk's layer, in idle ones, before a sliced step is timed
+MIN_SLICE_COST, MAX_SLICE_COST = 0.25, 4.0  # its learned value's bounds (idle prefills of short prompts cost more)
+
+
+def attention_share(config: ModelConfig) -> float:
+    """The attention projections' share of a layer's matmul weights: q/k/v and o against those and
+    gate/up/down (SmolLM2: 0.25)."""
+    hidden, heads, dim = config.hidden_size, config.num_attention_heads, config.dim_per_head
+    attention = hidden * (heads + 2 * config.num_key_value_heads) * dim + heads * dim * hidden
+    return attention / (attention + 3 * hidden * config.intermediate_size)
 
 
 def attention_parity(config: ModelConfig) -> float:
@@ -90,11 +134,17 @@ def attention_parity(config: ModelConfig) -> float:
 
 
 class PrefillBudget:
-    def __init__(self, fixed: int | None, max_tokens: int, parity: float = math.inf) -> None:
-        """`parity`: attention_parity of the model served (inf: attention taken as free)."""
+    def __init__(self, fixed: int | None, max_tokens: int, parity: float = math.inf, sublayers: int = 0,
+                 attention_share: float = 0.5) -> None:
+        """`parity`: attention_parity of the model served (inf: attention taken as free); `sublayers`:
+        its count of them (2 a layer), where long prompts are layer-sliced beside decoding rows (0:
+        never), and `attention_share` (attention_share) what of a layer's matmuls the first has."""
         self.fixed = fixed
         self.max_tokens = max_tokens
         self.parity = parity
+        self.sublayers = sublayers if fixed is None else 0  # a fixed budget is a fixed chunk size: no slicing
+        self.attention_share = attention_share
+        self._slice_cost = SLICE_COST  # a sliced chunk's layer, in idle prefill's cost of its share
         self._decode: dict[int, float] = {}  # decoding rows -> seconds of a decode-only step
         self._token_idle: float | None = None  # seconds per prompt token at position 0, nothing decoding
         self._chunk_cost: dict[int, float] = {}  # decoding rows -> a prompt token beside them, in idle ones
@@ -110,6 +160,53 @@ class PrefillBudget:
         chunk_cost = self._chunk_cost.get(decoding, CHUNK_COST)
         weight = (STALL_FACTOR - 1) * decode / (chunk_cost * self._token_idle)  # tokens at position 0
         return max(MIN_TOKENS, min(self.max_tokens, int(self._fitting(weight, position))))
+
+    def slice_tokens(self, decoding: int, position: int, remaining: int) -> int | None:
+        """The tokens of a layer-sliced chunk from `position` (scheduler.Slicer), where the prompt
+        would take more than one plain chunk beside `decoding` rows (> 0) and has more than
+        MIN_SLICE_TOKENS to go (else None: plain chunks): as many as let SPAN_SUBLAYERS of their
+        sublayers fill a step's share, in whole SLICE_BUCKETs and at least MIN_SLICE_TOKENS, or all
+        of them where fewer than MIN_SLICE_TOKENS would be left (a step's sublayers are whole: the
+        finer, the fuller its share; but a chunk's last step is as full as its sublayers left, and
+        small chunks run their matmuls slower a token)."""
+        share = self._slice_share(decoding)
+        if share is None or remaining <= max(MIN_SLICE_TOKENS, self.tokens(decoding, position)):
+            return None
+        fit = int(self._fitting(share * self.sublayers / SPAN_SUBLAYERS, position))
+        tokens = max(MIN_SLICE_TOKENS, fit - fit % SLICE_BUCKET)
+        return remaining if remaining - tokens < MIN_SLICE_TOKENS else tokens
+
+    def slice_stop(self, decoding: int, chunk: PromptChunk, first: int) -> int:
+        """Where this step's span of `chunk`'s sublayers from `first` stops (scheduler.Slicer): as
+        many as fit the step's share beside `decoding` rows, at least one; every one left where no
+        row decodes (no stream waits) or nothing is measured yet."""
+        share = self._slice_share(decoding)
+        if share is None:
+            return self.sublayers
+        stop, used = first + 1, self._sublayer_weight(chunk, first)
+        while stop < self.sublayers and used + self._sublayer_weight(chunk, stop) <= share:
+            used += self._sublayer_weight(chunk, stop)
+            stop += 1
+        return stop
+
+    def _sublayer_weight(self, chunk: PromptChunk, sublayer: int) -> float:
+        """`chunk` through one sublayer, in idle prefill's tokens at position 0 through every layer:
+        an attention (even) has attention_share of a layer's matmuls and the attention over the
+        chunk's positions, an MLP (odd) the rest of the matmuls."""
+        if sublayer % 2:
+            per_token = 1 - self.attention_share
+        else:
+            per_token = self.attention_share + (chunk.start + (chunk.length - 1) / 2) / self.parity
+        return chunk.length * per_token / (self.sublayers / 2)
+
+    def _slice_share(self, decoding: int) -> float | None:
+        """A step's share for a sliced chunk beside `decoding` rows, in idle prefill's tokens at
+        position 0 through every layer: what (SLICE_STALL_FACTOR - 1) decode steps buy; None where
+        no slicing happens (no sublayers, no row decoding, nothing measured yet)."""
+        decode = self._decode_seconds(decoding)
+        if not self.sublayers or not decoding or decode is None or self._token_idle is None or self._token_idle <= 0:
+            return None
+        return (SLICE_STALL_FACTOR - 1) * decode / (self._slice_cost * self._token_idle)
 
     def _fitting(self, weight: float, position: int) -> float:
         """The tokens T from `position` on whose weights (as `weight` counts them) sum to `weight`:
@@ -138,6 +235,17 @@ class PrefillBudget:
             self._chunk_cost[decoding] = _average(self._chunk_cost.get(decoding, CHUNK_COST),
                                                   min(MAX_CHUNK_COST, max(MIN_CHUNK_COST, cost)))
 
+    def observe_slice(self, decoding: int, chunk: PromptChunk, first: int, stop: int, seconds: float) -> None:
+        """A step took `seconds` with `decoding` rows decoding and `chunk` through sublayers
+        first..stop-1: the sliced chunk's cost, beyond the decode step's, in idle prefill's cost of
+        those sublayers' share of the chunk (SLICE_COST's moving average)."""
+        decode = self._decode_seconds(decoding)
+        if not self.sublayers or not decoding or decode is None or self._token_idle is None or self._token_idle <= 0:
+            return  # another slicer's chunk (a test's), or nothing to count this step's cost against
+        weight = sum(self._sublayer_weight(chunk, s) for s in range(first, stop))
+        cost = (seconds - decode) / (weight * self._token_idle)
+        self._slice_cost = _average(self._slice_cost, min(MAX_SLICE_COST, max(MIN_SLICE_COST, cost)))
+
     def plain_seconds(self, decoding: int) -> float | None:
         """A decode-only step's time at exactly `decoding` rows, None until one is timed."""
         return self._decode.get(decoding)
@@ -153,6 +261,7 @@ class PrefillBudget:
     def describe(self) -> dict[str, object]:
         """The estimates, for logs."""
         return {"fixed": self.fixed, "parity": None if math.isinf(self.parity) else self.parity,
+                **({"slice_cost": round(self._slice_cost, 3)} if self.sublayers else {}),
                 "token_ms_idle": _ms(self._token_idle),
                 "chunk_cost": {rows: round(c, 3) for rows, c in sorted(self._chunk_cost.items())},
                 "decode_ms": {rows: _ms(s) for rows, s in sorted(self._decode.items())}}

@@ -8,7 +8,10 @@ their prompts. The running list is this class's own; what a step computes, and i
 the `StepPlan` that `plan` builds (step_plan.py states the layout and checks it). Each step,
 prompts are prefilled in chunks within the per-step prefill token budget, oldest admission first,
 so a long prompt takes several steps and the decoding rows go on in every one of them; a prompt
-whose last chunk ran has its first token and its row joins the decoding ones (`retire`).
+whose last chunk ran has its first token and its row joins the decoding ones (`retire`). With a
+`slicer`, a prompt that would take several chunks while rows decode runs instead as large chunks,
+each through a span of the layers a step (a layer-sliced prefill: prefill_budget.py says why),
+alone beside the decoding rows.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine_service.model.kv_cache import PromptChunk
 from engine_service.scheduling.prefix_cache import PrefixCacheStats
-from engine_service.scheduling.sequence import Sequence
-from engine_service.scheduling.step_plan import StepPlan
+from engine_service.scheduling.sequence import PromptSlice, Sequence
+from engine_service.scheduling.step_plan import StepPlan, SublayerSpan
 from shared.errors import QueueFull
 
 # A step with no decoding row prefills at least this many prompt tokens: a wave of 128-token
@@ -32,6 +36,25 @@ IDLE_PREFILL_TOKENS = 2048
 MoveRow = Callable[[int, int, int], None]  # (src, dst, length): KVCache.move_row
 SwapRows = Callable[[int, int, int, int], None]  # (a, b, length_a, length_b): KVCache.swap_rows
 Drafts = Callable[[list[Sequence]], list[list[int]] | None]  # the decoding rows' drafts (runtime/speculator.py)
+
+
+class Slicer(Protocol):
+    """Sizes layer-sliced prefills (PrefillBudget): `sublayers`, the model's count of them (2 a
+    decoder layer: its attention, its MLP; 0: no slicing)."""
+
+    sublayers: int
+
+    def slice_tokens(self, decoding: int, position: int, remaining: int) -> int | None:
+        """The tokens of a sliced chunk from `position` with `remaining` prompt tokens to go and
+        `decoding` rows decoding, or None where the prompt prefills in plain chunks."""
+        ...
+
+    def slice_stop(self, decoding: int, chunk: PromptChunk, first: int) -> int:
+        """Where this step's span of `chunk`'s sublayers from `first` on stops (first < stop <= sublayers)."""
+        ...
+
+
+Sliced = tuple[Sequence, PromptChunk, SublayerSpan]
 
 
 @dataclass(frozen=True)
@@ -46,8 +69,9 @@ class LoadSnapshot:
 
 class Scheduler:
     def __init__(self, max_batch: int, max_context: int, queue_capacity: int, queue_retry_seconds: float,
-                 prefill_token_budget: int) -> None:
+                 prefill_token_budget: int, slicer: Slicer | None = None) -> None:
         self.max_batch = max_batch
+        self.slicer = slicer
         self.max_context = max_context
         self.queue_capacity = queue_capacity
         self.queue_retry_seconds = queue_retry_seconds
@@ -130,7 +154,8 @@ class Scheduler:
         sequence about to prefill its first chunk (it may put a cached prefix into the row and
         advance `cache_len`)."""
         decoding = self._running[:self._decoding]
-        return StepPlan.build(decoding, self._chunks(start), drafts(decoding) if drafts is not None else None)
+        chunks, sliced = self._chunks(start)
+        return StepPlan.build(decoding, chunks, drafts(decoding) if drafts is not None else None, sliced)
 
     @property
     def prefill_position(self) -> int:
@@ -140,11 +165,13 @@ class Scheduler:
         prefilling = self._running[self._decoding:]
         return min(prefilling, key=lambda seq: seq.admitted).cache_len if prefilling else 0
 
-    def _chunks(self, start: Callable[[Sequence, int], None]) -> list[tuple[Sequence, PromptChunk]]:
+    def _chunks(self, start: Callable[[Sequence, int], None]) -> tuple[list[tuple[Sequence, PromptChunk]],
+                                                                         Sliced | None]:
         """This step's prompt chunks: the prefilling rows in admission order, each given the rest of
         its prompt or what remains of the budget, until the budget is spent. The budget is the
         prefill token budget while any row decodes, else at least max_context and
-        IDLE_PREFILL_TOKENS."""
+        IDLE_PREFILL_TOKENS. Or, where the first row to prefill has a chunk in flight through the
+        layers or the slicer slices its prompt, that chunk alone through its next span of sublayers."""
         # the budget bounds how long decoding rows wait for a step; with none, nobody waits, and
         # whole prompts (a wave of them, or one of any allowed length) go in one piece: larger
         # matmuls are faster per token
@@ -157,10 +184,29 @@ class Scheduler:
             seq = self._running[row]
             if seq.timings.prefill_started is None:
                 start(seq, row)
+            if not chunks and (sliced := self._sliced(seq, row)) is not None:
+                return [], sliced
             length = min(len(seq.request.prompt_ids) - seq.cache_len, budget)
             chunks.append((seq, PromptChunk(row, seq.cache_len, length)))
             budget -= length
-        return chunks
+        return chunks, None
+
+    def _sliced(self, seq: Sequence, row: int) -> Sliced | None:
+        """`seq`'s chunk through its next span of sublayers: the chunk in flight, or a new one where
+        the slicer slices its prompt (it is then in flight: seq.slice); None where neither."""
+        slicer = self.slicer
+        if slicer is None:
+            return None
+        if seq.slice is None:
+            if seq.request.echo_prompt_logprobs:  # every token's logits come from a whole pass
+                return None
+            tokens = slicer.slice_tokens(self._decoding, seq.cache_len, len(seq.request.prompt_ids) - seq.cache_len)
+            if tokens is None:
+                return None
+            seq.slice = PromptSlice(tokens)
+        chunk, first = PromptChunk(row, seq.cache_len, seq.slice.length), seq.slice.sublayers_run
+        stop = slicer.slice_stop(self._decoding, chunk, first)
+        return seq, chunk, SublayerSpan(first, stop, stop == slicer.sublayers)
 
     def retire(self, plan: StepPlan, finished: list[Sequence], swap_rows: SwapRows, move_row: MoveRow) -> None:
         """After the step of `plan`: its prompts that completed join the decoding rows, then the
@@ -179,7 +225,7 @@ class Scheduler:
             row, first = self._running.index(seq), self._decoding
             if row != first:
                 other = self._running[first]
-                swap_rows(first, row, other.cache_len, seq.cache_len)
+                swap_rows(first, row, other.kv_len, seq.kv_len)
                 self._running[first], self._running[row] = seq, other
             self._decoding += 1
 
@@ -206,7 +252,7 @@ class Scheduler:
     def _move(self, src: int, dst: int, move_row: MoveRow) -> None:
         if src != dst:
             moved = self._running[src]
-            move_row(src, dst, moved.cache_len)
+            move_row(src, dst, moved.kv_len)
             self._running[dst] = moved
 
     def publish_load(self, prefix_cache: PrefixCacheStats | None = None) -> None:

@@ -18,6 +18,17 @@ class Timings:
     last_token: float | None = None
 
 
+@dataclass(frozen=True)
+class PromptSlice:
+    """A prompt chunk of `length` tokens from the sequence's cache_len on, in flight through the
+    model's layers over several steps (a layer-sliced prefill: scheduling/prefill_budget.py): its
+    sublayers 0..sublayers_run-1 have run (step_plan.SublayerSpan), and their keys and values are
+    in its row."""
+
+    length: int
+    sublayers_run: int = 0
+
+
 @dataclass(eq=False)
 class Sequence:
     """Mutable; after admission only the decode loop thread touches it, except `cancelled`,
@@ -31,6 +42,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     cache_len: int = 0  # tokens whose keys and values are in the cache
     cached_tokens: int = 0  # of the prompt's, those copied from the prefix cache
+    slice: PromptSlice | None = None  # its prompt chunk in flight through the layers, if any
     admitted: int = -1  # the scheduler's admission count when it took this sequence (prefill order)
     timings: Timings = field(default_factory=Timings)
     cancelled: bool = False
@@ -43,6 +55,12 @@ class Sequence:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def kv_len(self) -> int:
+        """The positions of its row that hold keys and values, in some layers at least: cache_len,
+        and a chunk in flight through the layers (what a row move must carry)."""
+        return self.cache_len + (self.slice.length if self.slice is not None else 0)
 
     @property
     def total_len(self) -> int:

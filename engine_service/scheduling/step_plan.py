@@ -8,7 +8,10 @@ the speculator read rows only from it. The layout (kv_cache.py keeps the rows; t
 - the prompt chunks of prefilling sequences sit in KV rows d..n-1, each row at most once;
 - the logits the step samples from (`StepLogits.sampled`) are, in order: each decode row's 1 +
   len(draft) rows (one when it has no draft), then one row for each prompt chunk that completes
-  its prompt (that row gives the sequence's first token). `logits` of each entry is its slice.
+  its prompt (that row gives the sequence's first token). `logits` of each entry is its slice;
+- a prompt chunk that runs through the layers over several steps (a layer-sliced prefill, its
+  `sublayers` this step's span of them) is the step's only chunk, and completes its prompt only
+  in the step that runs its last sublayer.
 
 `StepPlan.build` checks all of it and raises `PlanError` (a bug: the decode loop's fatal path)
 when any part does not hold.
@@ -39,18 +42,36 @@ class DecodeRow:
 
 
 @dataclass(frozen=True)
+class SublayerSpan:
+    """Sublayers first..stop-1 of a prompt chunk that runs through the layers over several steps,
+    two to a decoder layer (2i its attention, 2i + 1 its MLP); `last`: stop is the model's count
+    of them, so the chunk is done after this step."""
+
+    first: int
+    stop: int
+    last: bool
+
+
+@dataclass(frozen=True)
 class Prefill:
-    """A chunk of a prefilling sequence's prompt this step, in KV row `chunk.row`; when it ends the
-    prompt, `logits` is its one row of logits (the first token's), else None."""
+    """A chunk of a prefilling sequence's prompt this step, in KV row `chunk.row`, through every
+    layer, or through `sublayers` only (a layer-sliced prefill); when the chunk is done this step and
+    ends the prompt, `logits` is its one row of logits (the first token's), else None."""
 
     seq: Sequence
     chunk: PromptChunk
     logits: slice | None = None
+    sublayers: SublayerSpan | None = None
+
+    @property
+    def done(self) -> bool:
+        """The chunk has run through every layer after this step: its keys and values are cached."""
+        return self.sublayers is None or self.sublayers.last
 
     @property
     def completes(self) -> bool:
-        """The chunk ends the prompt, so this step samples the sequence's first token."""
-        return self.chunk.start + self.chunk.length == len(self.seq.request.prompt_ids)
+        """The chunk is done and ends the prompt, so this step samples the sequence's first token."""
+        return self.done and self.chunk.start + self.chunk.length == len(self.seq.request.prompt_ids)
 
     @property
     def row(self) -> int:
@@ -65,10 +86,12 @@ class StepPlan:
 
     @classmethod
     def build(cls, decoding: Seq[Sequence], chunks: Seq[tuple[Sequence, PromptChunk]],
-              drafts: Seq[Seq[int]] | None = None) -> StepPlan:
+              drafts: Seq[Seq[int]] | None = None,
+              sliced: tuple[Sequence, PromptChunk, SublayerSpan] | None = None) -> StepPlan:
         """The plan of a step that decodes `decoding` (KV rows 0..d-1, in order) with `drafts` (one
-        per decoding sequence, or None for a plain step) and prefills `chunks`; the logits slices
-        follow the layout above. Raises PlanError when the rows or chunks break it."""
+        per decoding sequence, or None for a plain step) and prefills `chunks`, or the `sliced`
+        chunk through its span of sublayers; the logits slices follow the layout above. Raises
+        PlanError when the rows or chunks break it."""
         if drafts is not None and len(drafts) != len(decoding):
             raise PlanError(f"step plan: {len(drafts)} drafts for {len(decoding)} decode rows")
         decodes, at = [], 0
@@ -77,9 +100,10 @@ class StepPlan:
             decodes.append(DecodeRow(seq, row, slice(at, at + 1 + len(draft)), draft))
             at += 1 + len(draft)
         prefills = []
-        for seq, chunk in chunks:
-            completes = chunk.start + chunk.length == len(seq.request.prompt_ids)
-            prefills.append(Prefill(seq, chunk, slice(at, at + 1) if completes else None))
+        entries = [*((seq, chunk, None) for seq, chunk in chunks), *((sliced,) if sliced is not None else ())]
+        for seq, chunk, span in entries:
+            completes = (span is None or span.last) and chunk.start + chunk.length == len(seq.request.prompt_ids)
+            prefills.append(Prefill(seq, chunk, slice(at, at + 1) if completes else None, span))
             at += completes
         plan = cls(tuple(decodes), tuple(prefills), speculative=drafts is not None)
         plan.check()
@@ -109,6 +133,16 @@ class StepPlan:
             at = e.logits.stop
         if any(p.logits is not None for p in self.prefills if not p.completes):
             problems.append("a chunk that does not end its prompt has logits")
+        for p in self.prefills:
+            span = p.sublayers
+            if span is None:
+                continue
+            if len(self.prefills) > 1:
+                problems.append(f"{p.seq.request_id}: a layer-sliced chunk beside {len(self.prefills) - 1} other chunks")
+            if not 0 <= span.first < span.stop:
+                problems.append(f"{p.seq.request_id}: sublayers [{span.first}, {span.stop})")
+            if p.seq.request.echo_prompt_logprobs:
+                problems.append(f"{p.seq.request_id}: a layer-sliced chunk of a prompt whose log-probabilities are echoed")
         if problems:
             raise PlanError("step plan breaks the row layout: " + "; ".join(problems))
 
@@ -122,6 +156,11 @@ class StepPlan:
     def sampled_rows(self) -> int:
         """How many rows of logits the step samples from."""
         return sum(e.logits.stop - e.logits.start for e in self.producing if e.logits is not None)
+
+    @property
+    def sliced(self) -> Prefill | None:
+        """The layer-sliced chunk of this step, if any (then the step's only chunk)."""
+        return next((p for p in self.prefills if p.sublayers is not None), None)
 
     @property
     def prefill_tokens(self) -> int:

@@ -1,0 +1,350 @@
+"""Layer-sliced prefill: a long prompt arriving while rows decode runs as large chunks, each through
+a span of the layers a step (scheduling/prefill_budget.py says why). It changes no result: the
+spans give the bits of the chunk in one pass, and the real tiny model driven step by step by the
+DecodeLoop gives the same greedy tokens as whole-prompt prefill, while rows finish, move and are
+cancelled around the chunk in flight. Then the budget's sizes, the plan's rules and the scheduler's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine_service.faults import FaultInjector, FaultPlan
+from engine_service.model.kv_cache import KVCache, PromptChunk
+from engine_service.model.llama import LlamaForCausalLM
+from engine_service.model.presets import PRESETS
+from engine_service.requests import Request, SamplingParams
+from engine_service.runtime.delta import Delta
+from engine_service.runtime.loop import DecodeLoop
+from engine_service.runtime.model_runner import ModelRunner
+from engine_service.scheduling.prefill_budget import (
+    MIN_SLICE_TOKENS,
+    SLICE_BUCKET,
+    SLICE_STALL_FACTOR,
+    SPAN_SUBLAYERS,
+    PrefillBudget,
+    attention_share,
+)
+from engine_service.scheduling.scheduler import Scheduler
+from engine_service.scheduling.sequence import PromptSlice, Sequence
+from engine_service.scheduling.step_plan import PlanError, StepPlan, SublayerSpan
+
+CPU = torch.device("cpu")
+LAYERS = 5  # 10 sublayers
+MAX_BATCH = 4
+MAX_CONTEXT = 256
+
+
+def model() -> LlamaForCausalLM:
+    m = LlamaForCausalLM(replace(PRESETS["tiny"], num_hidden_layers=LAYERS))
+    m.init_random(7)
+    m.pack_projections()
+    m.setup_rope(MAX_CONTEXT, CPU)
+    return m
+
+
+def ids(seed: int, n: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(3, 250, (n,), generator=g).tolist())
+
+
+# -- the model: spans of sublayers --------------------------------------------------------------
+
+@pytest.mark.parametrize("spans", [[(0, 10)], [(i, i + 1) for i in range(10)], [(0, 3), (3, 4), (4, 10)]])
+def test_spans_of_sublayers_give_the_bits_of_the_chunk_in_one_pass(spans: list[tuple[int, int]]) -> None:
+    m = model()
+    first, second = torch.tensor(ids(1, 40)), torch.tensor(ids(2, 25))
+    none = first[:0]
+    want_cache, got_cache = (KVCache(m.config, 2, MAX_CONTEXT, torch.float32, CPU) for _ in range(2))
+    for cache in (want_cache, got_cache):  # the row's first 40 positions, cached by a whole pass
+        m.step(none, none, first, [PromptChunk(1, 0, 40)], cache, logits_of=[0])
+    chunk = PromptChunk(1, 40, 25)  # at depth: its attention reads the cached positions too
+    want = m.step(none, none, second, [chunk], want_cache, logits_of=[0])
+    hidden = None
+    for a, b in spans:
+        hidden = m.prefill_sublayers(second, hidden, chunk, range(a, b), got_cache)
+    assert hidden is not None
+    assert torch.equal(m.chunk_logits(hidden), want)
+    assert torch.equal(got_cache.k[:, 1, :, :65], want_cache.k[:, 1, :, :65])
+    assert torch.equal(got_cache.v[:, 1, :, :65], want_cache.v[:, 1, :, :65])
+
+
+# -- the loop: the same greedy tokens -------------------------------------------------------------
+
+class EverySlice:
+    """A slicer (scheduler.Slicer) that slices every prompt longer than `over` beside decoding rows
+    into chunks of at most `tokens`, `step` sublayers a step: fixed sizes, so a test knows the steps."""
+
+    def __init__(self, over: int, tokens: int, step: int) -> None:
+        self.sublayers, self._over, self._tokens, self._step = 2 * LAYERS, over, tokens, step
+        self.spans: list[tuple[int, int, int, int]] = []  # (start, length, first, stop) as planned
+
+    def slice_tokens(self, decoding: int, position: int, remaining: int) -> int | None:
+        return min(remaining, self._tokens) if decoding and remaining > self._over else None
+
+    def slice_stop(self, decoding: int, chunk: PromptChunk, first: int) -> int:
+        stop = min(self.sublayers, first + self._step) if decoding else self.sublayers
+        self.spans.append((chunk.start, chunk.length, first, stop))
+        return stop
+
+
+def run(plan: list[tuple[int, str, tuple[int, ...], int]], slicer: EverySlice | None, budget: int = 4096,
+        cancel: tuple[int, str] | None = None) -> dict[str, tuple[int, ...]]:
+    """Step the loop through `plan` ((step to submit at, id, prompt, max new tokens)), cancelling
+    `cancel` ((step, id)) when given; greedy tokens by request id (a cancelled one's as far as it got)."""
+    m = model()
+    runner = ModelRunner(m, MAX_BATCH, MAX_CONTEXT, CPU, torch.float32)
+    scheduler = Scheduler(max_batch=MAX_BATCH, max_context=MAX_CONTEXT, queue_capacity=16, queue_retry_seconds=0.5,
+                          prefill_token_budget=budget, slicer=slicer)
+    delivered: list[Delta] = []
+
+    def fatal(exc: BaseException) -> None:
+        raise AssertionError(f"on_fatal: {exc!r}")
+
+    loop = DecodeLoop(runner, scheduler, FaultInjector(FaultPlan()), frozenset(), delivered.extend, fatal)
+    seqs: dict[str, Sequence] = {}
+    pending = sorted(plan, key=lambda p: p[0])
+    step = 0
+    while pending or scheduler.rows or scheduler.waiting_count():
+        while pending and pending[0][0] <= step:
+            _, request_id, prompt, max_new = pending.pop(0)
+            seqs[request_id] = Sequence(Request(request_id=request_id, prompt_ids=prompt, max_new_tokens=max_new,
+                                                sampling=SamplingParams(), stop_token_ids=frozenset(),
+                                                ignore_eos=True, deadline=None), sink=None)
+            scheduler.submit(seqs[request_id])
+        if cancel is not None and cancel[0] == step:
+            seqs[cancel[1]].cancelled = True
+        loop.step()
+        step += 1
+    assert all(e.error is None for e in delivered)
+    return {r: tuple(s.generated) for r, s in seqs.items()}
+
+
+TRAFFIC = [
+    (0, "a", ids(3, 12), 40),
+    (0, "b", ids(4, 9), 6),  # finishes while the long prompt is in flight: rows move around it
+    (2, "long", ids(5, 150), 8),
+    (3, "short", ids(6, 20), 10),  # waits behind the chunk in flight, then prefills plainly
+    (4, "second-long", ids(7, 90), 5),
+]
+
+
+def test_sliced_prefill_gives_the_tokens_of_whole_prompt_prefill_while_rows_finish_and_move() -> None:
+    want = run(TRAFFIC, None)
+    slicer = EverySlice(over=32, tokens=64, step=3)
+    got = run(TRAFFIC, slicer)
+    assert got == want
+    starts = {(s, n) for s, n, _, _ in slicer.spans}
+    assert {(0, 64), (64, 64)} <= starts, "the long prompt ran as two sliced chunks"
+    assert (128, 22) not in starts, "and its last 22 tokens, within one plain chunk, as a plain chunk"
+    assert [s for s in slicer.spans if s[:2] == (0, 64)] == [(0, 64, 0, 3), (0, 64, 3, 6), (0, 64, 6, 9), (0, 64, 9, 10)]
+
+
+def test_a_chunk_cancelled_in_flight_leaves_the_others_untouched() -> None:
+    plan = [p for p in TRAFFIC if p[1] != "second-long"]
+    want = run(plan, None)
+    slicer = EverySlice(over=32, tokens=64, step=1)
+    got = run(plan, slicer, cancel=(4, "long"))  # in flight: submitted at 2, ten steps a chunk
+    assert got["long"] == ()
+    assert {r: t for r, t in got.items() if r != "long"} == {r: t for r, t in want.items() if r != "long"}
+    assert any(first for _, _, first, _ in slicer.spans), "the cancelled chunk was in flight"
+
+
+def test_budget_chunks_and_slicing_change_no_token_together() -> None:
+    want = run(TRAFFIC, None)
+    assert run(TRAFFIC, EverySlice(over=32, tokens=40, step=4), budget=24) == want
+
+
+# -- the budget's sizes -------------------------------------------------------------------------
+
+def measured(sublayers: int = 60, decode: float = 0.03125, token_idle: float = 0.0005, **kw: float) -> PrefillBudget:
+    """A budget that has timed a decode-only step of 8 rows and an idle prefill of 1,000 tokens."""
+    budget = PrefillBudget(None, 4096, sublayers=sublayers, **kw)  # type: ignore[arg-type]
+    budget.observe(8, [], decode)
+    budget.observe(0, [PromptChunk(9, 0, 1000)], token_idle * 1000 * (1 + 499.5 / budget.parity))
+    return budget
+
+
+SHARE = (SLICE_STALL_FACTOR - 1) * 0.03125 / 0.0005  # 125 idle tokens through every layer a step, beside 8 rows
+
+
+def test_a_slice_is_as_many_tokens_as_fill_a_steps_share_in_span_sublayers() -> None:
+    budget = measured()
+    # SPAN_SUBLAYERS (4) sublayers of T tokens weigh 4 T / 60 <= 125 idle tokens: T <= 1,875, floored
+    # to whole buckets (1,792), or all of the prompt where fewer than MIN_SLICE_TOKENS would be left
+    assert SPAN_SUBLAYERS == 4 and SLICE_BUCKET == 128 and MIN_SLICE_TOKENS == 512
+    assert budget.slice_tokens(8, 0, 5000) == 1792
+    assert budget.slice_tokens(8, 0, 1792 + 512) == 1792
+    assert budget.slice_tokens(8, 0, 1792 + 511) == 1792 + 511, "no rest smaller than MIN_SLICE_TOKENS"
+    assert budget.slice_tokens(8, 0, MIN_SLICE_TOKENS) is None, "a short prompt: a step or two of plain chunks"
+    assert budget.slice_tokens(8, 0, MIN_SLICE_TOKENS + 1) == MIN_SLICE_TOKENS + 1
+    fast = measured(decode=0.005)  # a share of 20: 300 tokens would fit, but no chunk is smaller than 512
+    assert fast.slice_tokens(8, 0, 5000) == MIN_SLICE_TOKENS
+    slow = measured(decode=0.25)  # decode steps so long that a plain chunk passes MIN_SLICE_TOKENS
+    plain = slow.tokens(8, 0)
+    assert plain > MIN_SLICE_TOKENS
+    assert slow.slice_tokens(8, 0, plain) is None, "a prompt that fits one plain chunk"
+    assert slow.slice_tokens(8, 0, plain + 1) == plain + 1
+
+
+def test_a_step_runs_the_sublayers_that_fit_its_share() -> None:
+    budget = measured()  # attention_share 0.5, parity inf: every sublayer of n tokens weighs n / 60
+    assert budget.slice_stop(8, PromptChunk(9, 0, 2000), 0) == 3  # 33.3 each: 100 of 125
+    assert budget.slice_stop(8, PromptChunk(9, 0, 400), 0) == 18  # 6.67 each: 120 of 125
+    assert budget.slice_stop(8, PromptChunk(9, 0, 400), 7) == 25
+    assert budget.slice_stop(8, PromptChunk(9, 0, 400), 55) == 60, "no further than the last sublayer"
+    assert budget.slice_stop(8, PromptChunk(9, 0, 100000), 3) == 4, "at least one sublayer"
+    assert budget.slice_stop(0, PromptChunk(9, 0, 2000), 3) == 60, "no row decoding: every sublayer left at once"
+
+
+def test_attention_weighs_a_slice_at_depth_and_its_attention_sublayers_more() -> None:
+    budget = measured(parity=1000.0, attention_share=0.25)
+    # T tokens from p weigh T (1 + (p + (T - 1) / 2) / 1,000); 4 sublayers of them 4/60 of it <= 125
+    early, late = budget.slice_tokens(8, 0, 100000), budget.slice_tokens(8, 3000, 100000)
+    assert budget.weight([PromptChunk(9, 0, 1179)]) <= 1875 < budget.weight([PromptChunk(9, 0, 1180)])
+    assert early == 1152  # 1,179 floored to whole buckets
+    assert late == MIN_SLICE_TOKENS  # 444 fit at 3,000
+    # 500 tokens at 3,000: an attention weighs 500 x (0.25 + 3,249.5 / 1,000) / 30 = 58.3, an MLP 12.5
+    chunk = PromptChunk(9, 3000, 500)
+    assert budget.slice_stop(8, chunk, 0) == 2  # 58.3 + 12.5; a second attention passes 125
+    assert budget.slice_stop(8, chunk, 1) == 4  # 12.5 + 58.3 + 12.5; a second attention passes 125
+
+
+def test_no_slice_without_sublayers_a_fixed_budget_decoding_rows_or_measurements() -> None:
+    assert measured(sublayers=0).slice_tokens(8, 0, 5000) is None
+    fixed = PrefillBudget(96, 4096, sublayers=60)
+    fixed.observe(8, [], 0.025)
+    fixed.observe(0, [PromptChunk(9, 0, 1000)], 0.5)
+    assert fixed.slice_tokens(8, 0, 5000) is None, "--max-prefill-tokens N: plain chunks of N"
+    assert measured().slice_tokens(0, 0, 5000) is None, "nothing decoding: the whole prompt at once"
+    unmeasured = PrefillBudget(None, 4096, sublayers=60)
+    assert unmeasured.slice_tokens(8, 0, 5000) is None
+    assert unmeasured.slice_stop(8, PromptChunk(9, 0, 100), 0) == 60
+    decode_only = PrefillBudget(None, 4096, sublayers=60)
+    decode_only.observe(8, [], 0.025)
+    assert decode_only.slice_tokens(8, 0, 5000) is None, "no idle prefill timed yet"
+
+
+def test_a_sliced_steps_time_teaches_the_slice_cost() -> None:
+    budget = measured()
+    chunk = PromptChunk(9, 0, 400)
+    assert budget.slice_stop(8, chunk, 0) == 18
+    # 6 sublayers of 400 tokens in 0.03125 + 0.04 s: twice idle prefill's share of them (0.02 s)
+    for _ in range(30):
+        budget.observe_slice(8, chunk, 10, 16, 0.03125 + 0.04)
+    assert budget.describe()["slice_cost"] == pytest.approx(2.0, rel=1e-3)
+    assert budget.slice_stop(8, chunk, 0) == 9
+    for _ in range(30):  # far cheaper, or dearer, than anything plausible: held within the bounds
+        budget.observe_slice(8, chunk, 0, 1, 0.03125)
+    assert budget.describe()["slice_cost"] == pytest.approx(0.25, rel=1e-3)
+    for _ in range(30):
+        budget.observe_slice(8, chunk, 0, 1, 10.0)
+    assert budget.describe()["slice_cost"] == pytest.approx(4.0, rel=1e-3)
+    unmeasured = PrefillBudget(None, 4096, sublayers=60)
+    unmeasured.observe_slice(8, chunk, 0, 1, 10.0)
+    assert unmeasured.describe()["slice_cost"] == 1.0, "nothing to count the step against yet"
+    assert "slice_cost" not in PrefillBudget(None, 4096).describe(), "no slicing, no slice cost"
+
+
+def test_attention_share_is_the_attention_projections_part_of_a_layers_matmuls() -> None:
+    assert attention_share(PRESETS["tiny"]) == pytest.approx((64 * 128 + 64 * 64) / (64 * 128 + 64 * 64 + 3 * 64 * 128))
+    smollm2 = replace(PRESETS["tiny"], hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                      intermediate_size=1536)
+    assert attention_share(smollm2) == pytest.approx(0.25, abs=0.002)
+
+
+# -- the plan's rules and the scheduler's --------------------------------------------------------
+
+def seq(request_id: str, prompt_len: int = 100) -> Sequence:
+    return Sequence(Request(request_id=request_id, prompt_ids=tuple(range(1, prompt_len + 1)), max_new_tokens=10,
+                            sampling=SamplingParams(), stop_token_ids=frozenset(), ignore_eos=True, deadline=None),
+                    sink=None)
+
+
+def test_a_sliced_chunk_completes_its_prompt_only_through_its_last_layer() -> None:
+    a, long = seq("a"), seq("long", 100)
+    mid = StepPlan.build([a], [], sliced=(long, PromptChunk(1, 36, 64), SublayerSpan(2, 4, False)))
+    assert mid.sliced is mid.prefills[0] and not mid.prefills[0].done and not mid.prefills[0].completes
+    assert mid.sampled_rows == 1 and mid.prefills[0].logits is None
+    end = StepPlan.build([a], [], sliced=(long, PromptChunk(1, 36, 64), SublayerSpan(4, 5, True)))
+    assert end.prefills[0].completes and end.prefills[0].logits == slice(1, 2) and end.sampled_rows == 2
+    early = StepPlan.build([a], [], sliced=(long, PromptChunk(1, 0, 36), SublayerSpan(4, 5, True)))
+    assert early.prefills[0].done and not early.prefills[0].completes
+    assert StepPlan.build([a], []).sliced is None
+
+
+def test_the_plan_refuses_a_sliced_chunk_beside_others_an_empty_span_or_an_echoed_prompt() -> None:
+    a, b, long = seq("a"), seq("b", 8), seq("long")
+    with pytest.raises(PlanError, match="long: a layer-sliced chunk beside 1 other chunks"):
+        StepPlan.build([a], [(b, PromptChunk(1, 0, 8))], sliced=(long, PromptChunk(2, 0, 50), SublayerSpan(0, 1, False)))
+    with pytest.raises(PlanError, match=r"long: sublayers \[3, 3\)"):
+        StepPlan.build([a], [], sliced=(long, PromptChunk(1, 0, 50), SublayerSpan(3, 3, False)))
+    with pytest.raises(PlanError, match=r"long: sublayers \[-1, 2\)"):
+        StepPlan.build([a], [], sliced=(long, PromptChunk(1, 0, 50), SublayerSpan(-1, 2, False)))
+    echo = Sequence(replace(long.request, echo_prompt_logprobs=True), sink=None)
+    with pytest.raises(PlanError, match="long: a layer-sliced chunk of a prompt whose log-probabilities are echoed"):
+        StepPlan.build([a], [], sliced=(echo, PromptChunk(1, 0, 50), SublayerSpan(0, 1, False)))
+
+
+def test_the_scheduler_plans_the_chunk_in_flight_first_and_alone_and_moves_its_row_whole() -> None:
+    slicer = EverySlice(over=32, tokens=64, step=3)
+    sched = Scheduler(max_batch=4, max_context=256, queue_capacity=4, queue_retry_seconds=0.5,
+                      prefill_token_budget=16, slicer=slicer)
+    a, long, short = seq("a", 8), seq("long", 100), seq("short", 8)
+    for s in (a, long, short):
+        sched.submit(s)
+    sched.admit()
+    started: list[str] = []
+
+    def start(s: Sequence, row: int) -> None:
+        started.append(s.request_id)
+
+    first = sched.plan(start)  # nothing decodes: plain chunks within the idle budget
+    assert first.sliced is None and [p.seq.request_id for p in first.prefills] == ["a", "long", "short"]
+    a.cache_len, long.cache_len, short.cache_len = 8, 0, 0
+    sched.promote([a], lambda *args: None)
+    plan = sched.plan(start)
+    assert plan.sliced is not None and plan.prefills == (plan.sliced,)
+    assert (plan.sliced.chunk, plan.sliced.sublayers) == (PromptChunk(1, 0, 64), SublayerSpan(0, 3, False))
+    assert long.slice == PromptSlice(64)
+    long.slice = PromptSlice(64, 9)
+    again = sched.plan(start)
+    assert again.sliced is not None and again.sliced.sublayers == SublayerSpan(9, 10, True)
+    moves: list[tuple[int, int, int]] = []
+    sched.remove_rows([0], lambda src, dst, n: moves.append((src, dst, n)))  # "a" leaves: the last row moves up
+    assert moves == [(2, 0, 0)]  # "short", nothing cached yet
+    assert [s.request_id for s in sched.rows] == ["short", "long"]
+    moves.clear()
+    sched.remove_rows([0], lambda src, dst, n: moves.append((src, dst, n)))
+    assert moves == [(1, 0, 64)], "the chunk in flight moves with its row: its keys and values in some layers"
+    assert long.kv_len == 64 and long.cache_len == 0
+
+
+# -- the runner: padding, the warm-up, and a span with nothing before it -------------------------
+
+def test_the_runner_pads_a_sliced_chunk_to_whole_buckets_within_the_context_and_warms_without_the_cache() -> None:
+    runner = ModelRunner(model(), MAX_BATCH, MAX_CONTEXT, CPU, torch.float32)
+    assert runner._padded(PromptChunk(1, 0, 64)) == PromptChunk(1, 0, 128)
+    assert runner._padded(PromptChunk(1, 0, 128)) == PromptChunk(1, 0, 128)
+    assert runner._padded(PromptChunk(1, 64, 129)) == PromptChunk(1, 64, 192)
+    assert runner._padded(PromptChunk(1, 200, 40)) == PromptChunk(1, 200, 56), "no further than the context"
+    runner.cache.k.normal_()
+    before = runner.cache.k.clone()
+    runner.warm_sliced_prefill()
+    assert torch.equal(runner.cache.k, before), "the warm-up runs the projections alone"
+
+
+def test_a_span_past_the_first_with_no_output_held_for_it_is_a_plan_error() -> None:
+    runner = ModelRunner(model(), MAX_BATCH, MAX_CONTEXT, CPU, torch.float32)
+    long, other = seq("long", 100), seq("other", 100)
+    first = StepPlan.build([], [], sliced=(long, PromptChunk(0, 0, 100), SublayerSpan(0, 2, False)))
+    runner.forward(first)
+    with pytest.raises(PlanError, match="layer-sliced prefill of other: sublayers from 2 on, but no output of "
+                                        "the layers before is held for it"):
+        runner.forward(StepPlan.build([], [], sliced=(other, PromptChunk(1, 0, 100), SublayerSpan(2, 4, False))))
+    with pytest.raises(PlanError, match="layer-sliced prefill of long: sublayers from 2 on"):  # its length differs
+        runner.forward(StepPlan.build([], [], sliced=(long, PromptChunk(0, 0, 50), SublayerSpan(2, 4, False))))
+    assert runner.forward(StepPlan.build([], [], sliced=(long, PromptChunk(0, 0, 100), SublayerSpan(2, 10, True))))\
+        .sampled.shape == (1, runner.model.config.vocab_size)
