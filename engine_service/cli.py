@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens prefilled in one step, in chunks, beside the decoding rows: a smaller "
                         "budget keeps running streams' inter-token gaps short while a long prompt prefills, a "
                         "larger one prefills faster; auto: sized to keep such a step near 3.5 decode-only steps, "
-                        "from the decode-step and idle-prefill times measured as the engine runs (see README)")
+                        "from the decode-step and idle-prefill times measured as the engine runs, and a prompt "
+                        "with more than 512 tokens to go layer-sliced: large chunks, each through a span of the "
+                        "layers a step, near 3 decode steps (see README)")
     s.add_argument("--prefix-cache-tokens", type=int, default=DEFAULT_PREFIX_CACHE_TOKENS,
                    help=f"tokens of computed prompt keys and values kept for reuse by prompts with the same "
                         f"prefix, in blocks of {BLOCK_TOKENS}; 0 turns the prefix cache off")

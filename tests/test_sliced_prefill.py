@@ -16,6 +16,7 @@ from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.presets import PRESETS
 from engine_service.requests import Request, SamplingParams
+from engine_service.runtime import loop as loop_module
 from engine_service.runtime.delta import Delta
 from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import ModelRunner
@@ -77,21 +78,24 @@ class EverySlice:
     """A slicer (scheduler.Slicer) that slices every prompt longer than `over` beside decoding rows
     into chunks of at most `tokens`, `step` sublayers a step: fixed sizes, so a test knows the steps."""
 
-    def __init__(self, over: int, tokens: int, step: int) -> None:
+    def __init__(self, over: int, tokens: int, step: int, idle_too: bool = False) -> None:
         self.sublayers, self._over, self._tokens, self._step = 2 * LAYERS, over, tokens, step
+        self._idle_too = idle_too  # keep to `step` sublayers a step when no row decodes too
         self.spans: list[tuple[int, int, int, int]] = []  # (start, length, first, stop) as planned
+        self.asked: list[tuple[int, int, int]] = []  # slice_tokens' (decoding, position, remaining)
 
     def slice_tokens(self, decoding: int, position: int, remaining: int) -> int | None:
+        self.asked.append((decoding, position, remaining))
         return min(remaining, self._tokens) if decoding and remaining > self._over else None
 
     def slice_stop(self, decoding: int, chunk: PromptChunk, first: int) -> int:
-        stop = min(self.sublayers, first + self._step) if decoding else self.sublayers
+        stop = min(self.sublayers, first + self._step) if decoding or self._idle_too else self.sublayers
         self.spans.append((chunk.start, chunk.length, first, stop))
         return stop
 
 
 def run(plan: list[tuple[int, str, tuple[int, ...], int]], slicer: EverySlice | None, budget: int = 4096,
-        cancel: tuple[int, str] | None = None) -> dict[str, tuple[int, ...]]:
+        cancel: tuple[int, str] | None = None, prefill_budget: PrefillBudget | None = None) -> dict[str, tuple[int, ...]]:
     """Step the loop through `plan` ((step to submit at, id, prompt, max new tokens)), cancelling
     `cancel` ((step, id)) when given; greedy tokens by request id (a cancelled one's as far as it got)."""
     m = model()
@@ -103,7 +107,8 @@ def run(plan: list[tuple[int, str, tuple[int, ...], int]], slicer: EverySlice | 
     def fatal(exc: BaseException) -> None:
         raise AssertionError(f"on_fatal: {exc!r}")
 
-    loop = DecodeLoop(runner, scheduler, FaultInjector(FaultPlan()), frozenset(), delivered.extend, fatal)
+    loop = DecodeLoop(runner, scheduler, FaultInjector(FaultPlan()), frozenset(), delivered.extend, fatal,
+                      prefill_budget=prefill_budget)
     seqs: dict[str, Sequence] = {}
     pending = sorted(plan, key=lambda p: p[0])
     step = 0
@@ -150,6 +155,49 @@ def test_a_chunk_cancelled_in_flight_leaves_the_others_untouched() -> None:
     assert got["long"] == ()
     assert {r: t for r, t in got.items() if r != "long"} == {r: t for r, t in want.items() if r != "long"}
     assert any(first for _, _, first, _ in slicer.spans), "the cancelled chunk was in flight"
+
+
+def test_a_chunk_in_flight_goes_on_through_steps_where_nothing_produces_a_token() -> None:
+    plan = [(0, "a", ids(3, 12), 3), (1, "long", ids(5, 150), 6)]  # a ends while long is in flight
+    want = run(plan, None)
+    slicer = EverySlice(over=32, tokens=200, step=1, idle_too=True)
+    assert run(plan, slicer) == want
+    assert len([s for s in slicer.spans if s[:2] == (0, 150)]) == 10, "one sublayer a step, a's rows gone or not"
+
+
+class RecordingBudget(PrefillBudget):
+    """The adaptive budget of 10 sublayers, recording the sliced steps the loop tells it of."""
+
+    def __init__(self) -> None:
+        super().__init__(None, 4096, sublayers=2 * LAYERS)
+        self.sliced: list[tuple[int, PromptChunk, int, int, float]] = []
+
+    def observe_slice(self, decoding: int, chunk: PromptChunk, first: int, stop: int, seconds: float) -> None:
+        self.sliced.append((decoding, chunk, first, stop, seconds))
+        super().observe_slice(decoding, chunk, first, stop, seconds)
+
+
+def test_the_loop_tells_the_budget_each_sliced_steps_span_and_time_and_logs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_loop_mutants import STEP_SECONDS, Clock, Recorder
+
+    monkeypatch.setattr(loop_module, "time", Clock())
+    log = Recorder()
+    monkeypatch.setattr(loop_module, "log", log)
+    budget = RecordingBudget()
+    run([(0, "a", ids(3, 12), 12), (3, "long", ids(5, 80), 2)], EverySlice(over=32, tokens=64, step=4),
+        prefill_budget=budget)  # a's decode steps timed first: the sliced steps are counted against them
+    chunk = PromptChunk(1, 0, 64)
+    assert [call[:4] for call in budget.sliced] == [(1, chunk, 0, 4), (1, chunk, 4, 8), (1, chunk, 8, 10)]
+    assert [call[4] for call in budget.sliced] == pytest.approx([STEP_SECONDS] * 3)
+    events = [(level, fields) for level, event, fields in log.calls if event == "sliced_prefill_step"]
+    assert [f["sublayers"] for _, f in events] == [[0, 4], [4, 8], [8, 10]]
+    level, first = events[0]
+    assert level == "debug" and {k: first[k] for k in ("decoding", "tokens", "position", "sublayers", "ms")} == {
+        "decoding": 1, "tokens": 64, "position": 0, "sublayers": [0, 4], "ms": 12.3}
+    # each sliced step took no longer than a decode step: its sublayers cost nothing, held at the least
+    assert [f["slice_cost"] for _, f in events] == [0.775, 0.618, 0.507]  # 1 + 0.3 x (0.25 - 1), ...
+    assert events[-1][1]["decode_ms"] == {1: 12.34} and set(events[-1][1]) == {
+        "decoding", "tokens", "position", "sublayers", "ms", *budget.describe()}  # the estimates of the time
 
 
 def test_budget_chunks_and_slicing_change_no_token_together() -> None:
@@ -303,11 +351,13 @@ def test_the_scheduler_plans_the_chunk_in_flight_first_and_alone_and_moves_its_r
 
     first = sched.plan(start)  # nothing decodes: plain chunks within the idle budget
     assert first.sliced is None and [p.seq.request_id for p in first.prefills] == ["a", "long", "short"]
-    a.cache_len, long.cache_len, short.cache_len = 8, 0, 0
+    a.cache_len, long.cache_len, short.cache_len = 8, 16, 0  # long: a 16-token prefix reused
     sched.promote([a], lambda *args: None)
+    slicer.asked.clear()
     plan = sched.plan(start)
+    assert slicer.asked == [(1, 16, 84)]
     assert plan.sliced is not None and plan.prefills == (plan.sliced,)
-    assert (plan.sliced.chunk, plan.sliced.sublayers) == (PromptChunk(1, 0, 64), SublayerSpan(0, 3, False))
+    assert (plan.sliced.chunk, plan.sliced.sublayers) == (PromptChunk(1, 16, 64), SublayerSpan(0, 3, False))
     assert long.slice == PromptSlice(64)
     long.slice = PromptSlice(64, 9)
     again = sched.plan(start)
@@ -318,8 +368,8 @@ def test_the_scheduler_plans_the_chunk_in_flight_first_and_alone_and_moves_its_r
     assert [s.request_id for s in sched.rows] == ["short", "long"]
     moves.clear()
     sched.remove_rows([0], lambda src, dst, n: moves.append((src, dst, n)))
-    assert moves == [(1, 0, 64)], "the chunk in flight moves with its row: its keys and values in some layers"
-    assert long.kv_len == 64 and long.cache_len == 0
+    assert moves == [(1, 0, 80)], "the chunk in flight moves with its row: its keys and values in some layers"
+    assert long.kv_len == 80 and long.cache_len == 16
 
 
 # -- the runner: padding, the warm-up, and a span with nothing before it -------------------------
@@ -348,3 +398,57 @@ def test_a_span_past_the_first_with_no_output_held_for_it_is_a_plan_error() -> N
         runner.forward(StepPlan.build([], [], sliced=(long, PromptChunk(0, 0, 50), SublayerSpan(2, 4, False))))
     assert runner.forward(StepPlan.build([], [], sliced=(long, PromptChunk(0, 0, 100), SublayerSpan(2, 10, True))))\
         .sampled.shape == (1, runner.model.config.vocab_size)
+
+
+# -- the budget's edges (what the mutation run found untested) ------------------------------------
+
+def exact() -> PrefillBudget:
+    """A budget of 64 sublayers whose numbers are binary-exact: a decode step of 2^-5 s and an idle
+    prefill of 2^-11 s a token, so a step's share is 2 x 2^-5 / 2^-11 = 128 idle tokens."""
+    budget = PrefillBudget(None, 4096, sublayers=64)
+    budget.observe(8, [], 2**-5)
+    budget.observe(0, [PromptChunk(9, 0, 1024)], 0.5)
+    return budget
+
+
+def test_a_span_takes_the_sublayers_that_fill_the_share_exactly() -> None:
+    # 1,024 tokens: a sublayer weighs 1,024 x 0.5 / 32 = 16; 8 of them are the share, 128
+    assert exact().slice_stop(8, PromptChunk(9, 0, 1024), 0) == 8
+
+
+def test_a_sliced_steps_cost_weighs_its_attention_at_the_chunks_mean_position() -> None:
+    budget = measured(parity=10.0, attention_share=0.25)  # a small parity: half a position shows
+    chunk = PromptChunk(9, 0, 500)  # its mean position 249.5
+    attention, mlp = 500 * (0.25 + 249.5 / 10) / 30, 500 * 0.75 / 30
+    for _ in range(60):  # twice idle prefill's cost of those two sublayers
+        budget.observe_slice(8, chunk, 4, 6, 0.03125 + 2 * (attention + mlp) * 0.0005)
+    assert budget.describe()["slice_cost"] == 2.0
+
+
+def test_the_slice_cost_is_a_moving_average_shown_to_three_places() -> None:
+    budget = exact()
+    chunk = PromptChunk(9, 0, 1024)  # 16 idle tokens a sublayer: 2^-7 s
+    budget.observe_slice(8, chunk, 0, 1, 2**-5 + 1.8 * 2**-7)  # cost 1.8: 1 + 0.3 x 0.8
+    assert budget.describe()["slice_cost"] == 1.24
+    budget.observe_slice(8, chunk, 0, 1, 2**-5 + 1.8 * 2**-7)
+    assert budget.describe()["slice_cost"] == 1.408  # 1.24 + 0.3 x 0.56
+    budget.observe_slice(8, chunk, 0, 1, 2**-5 + 1.8 * 2**-7)
+    assert budget.describe()["slice_cost"] == 1.526  # 1.5256, to three places
+
+
+def test_a_slice_step_with_nothing_to_count_it_against_teaches_nothing() -> None:
+    chunk = PromptChunk(9, 0, 1024)
+    decode_only = PrefillBudget(None, 4096, sublayers=64)
+    decode_only.observe(8, [], 2**-5)
+    idle_only = PrefillBudget(None, 4096, sublayers=64)
+    idle_only.observe(0, [chunk], 0.5)
+    free_idle = PrefillBudget(None, 4096, sublayers=64)  # an idle prefill that took no time at all
+    free_idle.observe(8, [], 2**-5)
+    free_idle.observe(0, [chunk], 0.0)
+    for budget in (decode_only, idle_only, free_idle):
+        budget.observe_slice(8, chunk, 0, 1, 1.0)
+        assert budget.describe()["slice_cost"] == 1.0
+        assert budget.slice_tokens(8, 0, 5000) is None and budget.slice_stop(8, chunk, 0) == 64
+    nothing_decoding = exact()
+    nothing_decoding.observe_slice(0, chunk, 0, 1, 1.0)  # the rows left: no decode step in it
+    assert nothing_decoding.describe()["slice_cost"] == 1.0

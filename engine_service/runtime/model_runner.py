@@ -82,8 +82,9 @@ class ModelRunner:
                 self._verify_traced = TracedVerify(model, self.cache, verify_tokens)
             except RuntimeError as err:  # the tracer's failures; the eager verify step gives the same tokens
                 log.warning("verify_trace_failed", error_type=type(err).__name__, error=str(err))
-        # the layer-sliced chunk in flight: its sequence, the chunk and its last span's output (T, hidden)
-        self._sliced: tuple[Sequence, PromptChunk, torch.Tensor] | None = None
+        # the layer-sliced chunk in flight: its sequence, its (start, length) (its row may move between
+        # steps) and its last span's output (T, hidden)
+        self._sliced: tuple[Sequence, tuple[int, int], torch.Tensor] | None = None
         # what engine_ready says of the compiled step: on, off, or why it failed
         self.compiled_decode = "on" if compile_decode else "off"
         if compile_decode:
@@ -128,14 +129,14 @@ class ModelRunner:
         hidden = None
         if span.first:
             held = self._sliced
-            if held is None or held[0] is not prefill.seq or held[1] != chunk:
+            if held is None or held[0] is not prefill.seq or held[1] != (chunk.start, chunk.length):
                 raise PlanError(f"layer-sliced prefill of {prefill.seq.request_id}: sublayers from {span.first} "
                                 "on, but no output of the layers before is held for it")
             hidden = held[2]
         tokens = self._prompt_tokens([prefill])
         tokens = torch.cat([tokens, tokens[-1:].expand(padded.length - chunk.length)])
         out = self.model.prefill_sublayers(tokens, hidden, padded, range(span.first, span.stop), self.cache)
-        self._sliced = None if span.last else (prefill.seq, chunk, out)
+        self._sliced = None if span.last else (prefill.seq, (chunk.start, chunk.length), out)
         return self.model.chunk_logits(out[:chunk.length]) if prefill.completes else None
 
     def _padded(self, chunk: PromptChunk) -> PromptChunk:
