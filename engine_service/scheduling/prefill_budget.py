@@ -82,10 +82,11 @@ SLICE_STALL_FACTOR 3 that is 1.5x at a full share, the step's sublayers being wh
   row (nobody waits: the whole prompt runs at once), for a prompt whose log-probabilities are
   echoed, or before a decode-only step and an idle prefill have been timed.
 Measured with benchmarks/chunked_prefill.py (Xeon 207 with AMX, 4 rounds a run, medians): with
-`--quantize auto` the streams' largest gap 3.65x and 3.72x their TPOT (plain chunks: 4.5-4.6x),
-the long prompt's TTFT 1.77x and 2.45x alone (2.2-2.7x); with `--quantize none` 3.53x and 3.75x
-(4.0-4.3x), TTFT 1.56x and 1.90x (1.4-1.8x). The machine's speed moved 1.5-2x within these runs
-(the TTFT alone 811-1,643 ms); docs/decode-speed.md has the steps' log.
+`--quantize auto` the streams' largest gap 3.50x and 3.22x their TPOT (plain chunks: 4.5-4.6x),
+the long prompt's TTFT 2.29x and 2.29x alone (2.2-2.7x); with `--quantize none` 3.51x and 3.37x
+(4.0-4.3x), TTFT 1.69x and 1.76x (1.4-1.8x). The machine's speed moved within these runs (the
+TTFT alone 732-1,384 ms); docs/decode-speed.md, "Layer-sliced prefill", has the steps' log and
+the forms tried.
 
 The engine gives its budget a parity measured at start-up on a CPU (runtime/build.chunk_parity,
 model/attention_cost.py: one layer's projections over a chunk's rows against its attention at
