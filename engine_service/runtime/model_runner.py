@@ -31,7 +31,6 @@ log = structlog.get_logger()
 WARM_ROWS = 4096  # warm_sliced_prefill's largest row count (a chunk the budget makes is smaller, but at long contexts)
 
 
-
 @dataclass(frozen=True)
 class StepLogits:
     """A step's logits: `sampled` (d + K, V) as ModelRunner.forward describes them, and, for each
@@ -140,10 +139,10 @@ class ModelRunner:
         return self.model.chunk_logits(out[:chunk.length]) if prefill.completes else None
 
     def _padded(self, chunk: PromptChunk) -> PromptChunk:
-        """`chunk` padded to a multiple of SLICE_BUCKET tokens (the budget sizes every sliced chunk
-        so but a prompt's last) where the row has the positions, so that its matmuls' row counts
-        are the few warm_sliced_prefill made at start-up: the padding's keys and values land past
-        the chunk, where no token attends and the prompt's next tokens, or the generated ones,
+        """`chunk` padded to a multiple of SLICE_BUCKET tokens where the row has the positions (the
+        budget sizes every sliced chunk so, but a prompt's last), so that its matmuls' row counts
+        are the few warm_sliced_prefill made at start-up. The padding's keys and values land past
+        the chunk, where no token attends, and the prompt's next tokens, or the generated ones,
         overwrite them."""
         bucket = -(-chunk.length // SLICE_BUCKET) * SLICE_BUCKET
         return chunk._replace(length=max(chunk.length, min(bucket, self.cache.max_context - chunk.start)))

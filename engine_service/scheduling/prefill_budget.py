@@ -113,7 +113,7 @@ SLICE_STALL_FACTOR = 3.0  # a layer-sliced step's target, in decode steps (modul
 SPAN_SUBLAYERS = 4  # a sliced chunk's size: about this many of its sublayers fill a step (slice_tokens)
 SLICE_BUCKET = 128  # a sliced chunk's tokens: a whole number of these, or the prompt's rest (the runner pads it)
 MIN_SLICE_TOKENS = 512  # a prompt with no more to go prefills in plain chunks; a smaller sliced chunk is the prompt's rest
-SLICE_COST = 1.0  # a sliced chunk's layer, in idle ones, before a sliced step is timed
+SLICE_COST = 1.0  # a sliced step's sublayers, in idle prefill's cost of them, before one is timed
 MIN_SLICE_COST, MAX_SLICE_COST = 0.25, 4.0  # its learned value's bounds (idle prefills of short prompts cost more)
 
 
@@ -145,7 +145,7 @@ class PrefillBudget:
         self.parity = parity
         self.sublayers = sublayers if fixed is None else 0  # a fixed budget is a fixed chunk size: no slicing
         self.attention_share = attention_share
-        self._slice_cost = SLICE_COST  # a sliced chunk's layer, in idle prefill's cost of its share
+        self._slice_cost = SLICE_COST  # a sliced step's sublayers, in idle prefill's cost of them
         self._decode: dict[int, float] = {}  # decoding rows -> seconds of a decode-only step
         self._token_idle: float | None = None  # seconds per prompt token at position 0, nothing decoding
         self._chunk_cost: dict[int, float] = {}  # decoding rows -> a prompt token beside them, in idle ones
