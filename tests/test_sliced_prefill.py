@@ -224,8 +224,8 @@ def test_a_slice_is_as_many_tokens_as_fill_a_steps_share_in_span_sublayers() -> 
     # to whole buckets (1,792), or all of the prompt where fewer than MIN_SLICE_TOKENS would be left
     assert SPAN_SUBLAYERS == 4 and SLICE_BUCKET == 128 and MIN_SLICE_TOKENS == 512
     assert budget.slice_tokens(8, 0, 5000) == 1792
-    assert budget.slice_tokens(8, 0, 1792 + 512) == 1792
-    assert budget.slice_tokens(8, 0, 1792 + 511) == 1792 + 511, "no rest smaller than MIN_SLICE_TOKENS"
+    assert budget.slice_tokens(8, 0, 1792 + 513) == 1792
+    assert budget.slice_tokens(8, 0, 1792 + 512) == 1792 + 512, "no rest that would go unsliced"
     assert budget.slice_tokens(8, 0, MIN_SLICE_TOKENS) is None, "a short prompt: a step or two of plain chunks"
     assert budget.slice_tokens(8, 0, MIN_SLICE_TOKENS + 1) == MIN_SLICE_TOKENS + 1
     fast = measured(decode=0.005)  # a share of 20: 300 tokens would fit, but no chunk is smaller than 512
@@ -380,10 +380,11 @@ def test_the_runner_pads_a_sliced_chunk_to_whole_buckets_within_the_context_and_
     assert runner._padded(PromptChunk(1, 0, 128)) == PromptChunk(1, 0, 128)
     assert runner._padded(PromptChunk(1, 64, 129)) == PromptChunk(1, 64, 192)
     assert runner._padded(PromptChunk(1, 200, 40)) == PromptChunk(1, 200, 56), "no further than the context"
-    runner.cache.k.normal_()
-    before = runner.cache.k.clone()
-    runner.warm_sliced_prefill()
-    assert torch.equal(runner.cache.k, before), "the warm-up runs the projections alone"
+    wide = ModelRunner(model(), 1, 2 * MIN_SLICE_TOKENS, CPU, torch.float32)  # row counts 512, 640, ... 1,024
+    wide.cache.k.normal_()
+    before = wide.cache.k.clone()
+    wide.warm_sliced_prefill()
+    assert torch.equal(wide.cache.k, before), "the warm-up runs the projections alone"
 
 
 def test_a_span_past_the_first_with_no_output_held_for_it_is_a_plan_error() -> None:

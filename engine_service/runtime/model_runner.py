@@ -22,7 +22,7 @@ from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.quantize import quantize_model
 from engine_service.model.traced_decode import TracedDecode, TracedMixed, TracedVerify
-from engine_service.scheduling.prefill_budget import SLICE_BUCKET
+from engine_service.scheduling.prefill_budget import MIN_SLICE_TOKENS, SLICE_BUCKET
 from engine_service.scheduling.sequence import Sequence
 from engine_service.scheduling.step_plan import DecodeRow, PlanError, Prefill, StepPlan
 
@@ -148,13 +148,14 @@ class ModelRunner:
         return chunk._replace(length=max(chunk.length, min(bucket, self.cache.max_context - chunk.start)))
 
     def warm_sliced_prefill(self) -> None:
-        """Run the first layer's projections over each multiple of SLICE_BUCKET rows up to
-        WARM_ROWS (and the context), so that oneDNN makes its kernels for those row counts now and
-        not in a step beside decoding rows: a new count cost 30-45 ms there, against 20-45 ms for
-        a 2,000-token chunk's layer itself (SmolLM2 in bfloat16, Xeon 207 with AMX)."""
+        """Run the first layer's projections over each row count a sliced chunk runs at (the
+        multiples of SLICE_BUCKET from MIN_SLICE_TOKENS up to WARM_ROWS and the context), so that
+        oneDNN makes its kernels for them now and not in a step beside decoding rows: a new count
+        cost 30-45 ms there, against 20-45 ms for a 2,000-token chunk's layer itself (SmolLM2 in
+        bfloat16, Xeon 207 with AMX)."""
         layer = self.model.model.layers[0]
         hidden, width = self.model.config.hidden_size, layer.mlp.size
-        for rows in range(SLICE_BUCKET, min(self.cache.max_context, WARM_ROWS) + 1, SLICE_BUCKET):
+        for rows in range(MIN_SLICE_TOKENS, min(self.cache.max_context, WARM_ROWS) + 1, SLICE_BUCKET):
             x = torch.zeros(1, rows, hidden, dtype=self.cache.k.dtype, device=self.device)
             layer.self_attn.qkv(x)
             layer.self_attn.out(torch.zeros(1, rows, layer.self_attn.heads * layer.self_attn.head_dim,

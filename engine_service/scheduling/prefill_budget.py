@@ -77,7 +77,7 @@ SLICE_STALL_FACTOR 3 that is 1.5x at a full share, the step's sublayers being wh
 - a chunk's tokens: those of which SPAN_SUBLAYERS sublayers fill the share, in whole SLICE_BUCKETs
   (the runner pads the prompt's last chunk to one, and has oneDNN make those row counts' kernels
   at start-up: a new count cost 30-45 ms inside a step), at least MIN_SLICE_TOKENS, and all the
-  rest where less than that would be left;
+  rest where no more than that would be left;
 - no slicing with a fixed budget (`--max-prefill-tokens N` chunks by N tokens), with no decoding
   row (nobody waits: the whole prompt runs at once), for a prompt whose log-probabilities are
   echoed, or before a decode-only step and an idle prefill have been timed.
@@ -112,7 +112,7 @@ SMOOTHING = 0.3  # weight of the newest measurement in each moving average
 SLICE_STALL_FACTOR = 3.0  # a layer-sliced step's target, in decode steps (module docstring)
 SPAN_SUBLAYERS = 4  # a sliced chunk's size: about this many of its sublayers fill a step (slice_tokens)
 SLICE_BUCKET = 128  # a sliced chunk's tokens: a whole number of these, or the prompt's rest (the runner pads it)
-MIN_SLICE_TOKENS = 512  # a prompt with no more to go prefills in plain chunks; a smaller sliced chunk is the prompt's rest
+MIN_SLICE_TOKENS = 512  # a prompt with no more to go prefills in plain chunks, and no sliced chunk is smaller
 SLICE_COST = 1.0  # a sliced step's sublayers, in idle prefill's cost of them, before one is timed
 MIN_SLICE_COST, MAX_SLICE_COST = 0.25, 4.0  # its learned value's bounds (idle prefills of short prompts cost more)
 
@@ -166,16 +166,16 @@ class PrefillBudget:
         """The tokens of a layer-sliced chunk from `position` (scheduler.Slicer), where the prompt
         would take more than one plain chunk beside `decoding` rows (> 0) and has more than
         MIN_SLICE_TOKENS to go (else None: plain chunks): as many as let SPAN_SUBLAYERS of their
-        sublayers fill a step's share, in whole SLICE_BUCKETs and at least MIN_SLICE_TOKENS, or all
-        of them where fewer than MIN_SLICE_TOKENS would be left (a step's sublayers are whole: the
-        finer, the fuller its share; but a chunk's last step is as full as its sublayers left, and
-        small chunks run their matmuls slower a token)."""
+        sublayers fill a step's share, in whole SLICE_BUCKETs and at least MIN_SLICE_TOKENS; or all
+        of them where the rest would be no more than MIN_SLICE_TOKENS, too few to slice (a step's
+        sublayers are whole: the finer, the fuller its share; but a chunk's last step is as full as
+        its sublayers left, and small chunks run their matmuls slower a token)."""
         share = self._slice_share(decoding)
         if share is None or remaining <= max(MIN_SLICE_TOKENS, self.tokens(decoding, position)):
             return None
         fit = int(self._fitting(share * self.sublayers / SPAN_SUBLAYERS, position))
         tokens = max(MIN_SLICE_TOKENS, fit - fit % SLICE_BUCKET)
-        return remaining if remaining - tokens < MIN_SLICE_TOKENS else tokens
+        return remaining if remaining - tokens <= MIN_SLICE_TOKENS else tokens
 
     def slice_stop(self, decoding: int, chunk: PromptChunk, first: int) -> int:
         """Where this step's span of `chunk`'s sublayers from `first` stops (scheduler.Slicer): as
