@@ -203,11 +203,21 @@ class PrefillBudget:
     def _slice_share(self, decoding: int) -> float | None:
         """A step's share for a sliced chunk beside `decoding` rows, in idle prefill's tokens at
         position 0 through every layer: what (SLICE_STALL_FACTOR - 1) decode steps buy; None where
-        no slicing happens (no sublayers, no row decoding, nothing measured yet)."""
-        decode = self._decode_seconds(decoding)
-        if not self.sublayers or not decoding or decode is None or self._token_idle is None or self._token_idle <= 0:
+        no slicing happens (`_slice_basis`)."""
+        basis = self._slice_basis(decoding)
+        if basis is None:
             return None
-        return (SLICE_STALL_FACTOR - 1) * decode / (self._slice_cost * self._token_idle)
+        decode, token_idle = basis
+        return (SLICE_STALL_FACTOR - 1) * decode / (self._slice_cost * token_idle)
+
+    def _slice_basis(self, decoding: int) -> tuple[float, float] | None:
+        """(a decode-only step's seconds beside `decoding` rows, an idle prompt token's), what a
+        sliced step is sized and counted against; None where no slicing happens: no sublayers, no
+        row decoding, or nothing measured yet."""
+        decode, token_idle = self._decode_seconds(decoding), self._token_idle
+        if not self.sublayers or not decoding or decode is None or token_idle is None or token_idle <= 0:
+            return None
+        return decode, token_idle
 
     def _fitting(self, weight: float, position: int) -> float:
         """The tokens T from `position` on whose weights (as `weight` counts them) sum to `weight`:
@@ -240,11 +250,12 @@ class PrefillBudget:
         """A step took `seconds` with `decoding` rows decoding and `chunk` through sublayers
         first..stop-1: the sliced chunk's cost, beyond the decode step's, in idle prefill's cost of
         those sublayers' share of the chunk (SLICE_COST's moving average)."""
-        decode = self._decode_seconds(decoding)
-        if not self.sublayers or not decoding or decode is None or self._token_idle is None or self._token_idle <= 0:
+        basis = self._slice_basis(decoding)
+        if basis is None:
             return  # another slicer's chunk (a test's), or nothing to count this step's cost against
+        decode, token_idle = basis
         weight = sum(self._sublayer_weight(chunk, s) for s in range(first, stop))
-        cost = (seconds - decode) / (weight * self._token_idle)
+        cost = (seconds - decode) / (weight * token_idle)
         self._slice_cost = _average(self._slice_cost, min(MAX_SLICE_COST, max(MIN_SLICE_COST, cost)))
 
     def plain_seconds(self, decoding: int) -> float | None:

@@ -25,7 +25,7 @@ from typing import Protocol
 from engine_service.model.kv_cache import PromptChunk
 from engine_service.scheduling.prefix_cache import PrefixCacheStats
 from engine_service.scheduling.sequence import PromptSlice, Sequence
-from engine_service.scheduling.step_plan import StepPlan, SublayerSpan
+from engine_service.scheduling.step_plan import Sliced, StepPlan, SublayerSpan
 from shared.errors import QueueFull
 
 # A step with no decoding row prefills at least this many prompt tokens: a wave of 128-token
@@ -52,9 +52,6 @@ class Slicer(Protocol):
     def slice_stop(self, decoding: int, chunk: PromptChunk, first: int) -> int:
         """Where this step's span of `chunk`'s sublayers from `first` on stops (first < stop <= sublayers)."""
         ...
-
-
-Sliced = tuple[Sequence, PromptChunk, SublayerSpan]
 
 
 @dataclass(frozen=True)

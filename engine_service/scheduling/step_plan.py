@@ -20,7 +20,7 @@ when any part does not hold.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine_service.model.kv_cache import PromptChunk
 from engine_service.scheduling.sequence import Sequence
@@ -50,6 +50,9 @@ class SublayerSpan:
     first: int
     stop: int
     last: bool
+
+
+Sliced = tuple[Sequence, PromptChunk, SublayerSpan]  # a layer-sliced chunk's sequence, chunk and span this step
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class StepPlan:
     @classmethod
     def build(cls, decoding: Seq[Sequence], chunks: Seq[tuple[Sequence, PromptChunk]],
               drafts: Seq[Seq[int]] | None = None,
-              sliced: tuple[Sequence, PromptChunk, SublayerSpan] | None = None) -> StepPlan:
+              sliced: Sliced | None = None) -> StepPlan:
         """The plan of a step that decodes `decoding` (KV rows 0..d-1, in order) with `drafts` (one
         per decoding sequence, or None for a plain step) and prefills `chunks`, or the `sliced`
         chunk through its span of sublayers; the logits slices follow the layout above. Raises
@@ -102,9 +105,11 @@ class StepPlan:
         prefills = []
         entries = [*((seq, chunk, None) for seq, chunk in chunks), *((sliced,) if sliced is not None else ())]
         for seq, chunk, span in entries:
-            completes = (span is None or span.last) and chunk.start + chunk.length == len(seq.request.prompt_ids)
-            prefills.append(Prefill(seq, chunk, slice(at, at + 1) if completes else None, span))
-            at += completes
+            prefill = Prefill(seq, chunk, None, span)
+            if prefill.completes:  # its one row of logits, the first token's
+                prefill = replace(prefill, logits=slice(at, at + 1))
+                at += 1
+            prefills.append(prefill)
         plan = cls(tuple(decodes), tuple(prefills), speculative=drafts is not None)
         plan.check()
         return plan
