@@ -24,7 +24,6 @@ from engine_service.scheduling.prefill_budget import (
     MIN_SLICE_TOKENS,
     SLICE_BUCKET,
     SLICE_STALL_FACTOR,
-    SPAN_SUBLAYERS,
     PrefillBudget,
     attention_share,
 )
@@ -218,23 +217,32 @@ def measured(sublayers: int = 60, decode: float = 0.03125, token_idle: float = 0
 SHARE = (SLICE_STALL_FACTOR - 1) * 0.03125 / 0.0005  # 125 idle tokens through every layer a step, beside 8 rows
 
 
-def test_a_slice_is_as_many_tokens_as_fill_a_steps_share_in_span_sublayers() -> None:
-    budget = measured()
-    # SPAN_SUBLAYERS (4) sublayers of T tokens weigh 4 T / 60 <= 125 idle tokens: T <= 1,875, floored
-    # to whole buckets (1,792), or all of the prompt where fewer than MIN_SLICE_TOKENS would be left
-    assert SPAN_SUBLAYERS == 4 and SLICE_BUCKET == 128 and MIN_SLICE_TOKENS == 512
-    assert budget.slice_tokens(8, 0, 5000) == 1792
-    assert budget.slice_tokens(8, 0, 1792 + 513) == 1792
-    assert budget.slice_tokens(8, 0, 1792 + 512) == 1792 + 512, "no rest that would go unsliced"
+def test_a_slice_is_as_many_tokens_as_keep_its_heaviest_sublayer_within_a_steps_share() -> None:
+    budget = measured()  # attention_share 0.5, parity inf: a sublayer of T tokens weighs T / 60
+    # T / 60 <= 125 idle tokens: T <= 7,500, floored to whole buckets (7,424), or all of the prompt
+    # where it is no more, or where no more than MIN_SLICE_TOKENS would be left
+    assert SLICE_BUCKET == 128 and MIN_SLICE_TOKENS == 512
+    assert budget.slice_tokens(8, 0, 100000) == 7424
+    assert budget.slice_tokens(8, 0, 5000) == 5000, "the whole prompt, its sublayers within the share"
+    assert budget.slice_tokens(8, 0, 7424 + 513) == 7424
+    assert budget.slice_tokens(8, 0, 7424 + 512) == 7424 + 512, "no rest that would go unsliced"
     assert budget.slice_tokens(8, 0, MIN_SLICE_TOKENS) is None, "a short prompt: a step or two of plain chunks"
     assert budget.slice_tokens(8, 0, MIN_SLICE_TOKENS + 1) == MIN_SLICE_TOKENS + 1
-    fast = measured(decode=0.005)  # a share of 20: 300 tokens would fit, but no chunk is smaller than 512
-    assert fast.slice_tokens(8, 0, 5000) == MIN_SLICE_TOKENS
+    fast = measured(decode=0.005)  # a share of 20: T <= 1,200
+    assert fast.slice_tokens(8, 0, 5000) == 1152
+    faster = measured(decode=0.001)  # a share of 4: 240 tokens would fit, but no chunk is smaller than 512
+    assert faster.slice_tokens(8, 0, 5000) == MIN_SLICE_TOKENS
     slow = measured(decode=0.25)  # decode steps so long that a plain chunk passes MIN_SLICE_TOKENS
     plain = slow.tokens(8, 0)
     assert plain > MIN_SLICE_TOKENS
     assert slow.slice_tokens(8, 0, plain) is None, "a prompt that fits one plain chunk"
     assert slow.slice_tokens(8, 0, plain + 1) == plain + 1
+
+
+def test_a_slice_whose_heaviest_sublayer_fills_the_share_exactly_is_whole() -> None:
+    # 8,192 tokens: a sublayer weighs 8,192 x 0.5 / 32 = 128, the share exactly; a bucket more passes it
+    assert exact().slice_tokens(8, 0, 20000) == 8192
+    assert exact().slice_tokens(8, 0, 8192 + 513) == 8192
 
 
 def test_a_step_runs_the_sublayers_that_fit_its_share() -> None:
@@ -247,13 +255,21 @@ def test_a_step_runs_the_sublayers_that_fit_its_share() -> None:
     assert budget.slice_stop(0, PromptChunk(9, 0, 2000), 3) == 60, "no row decoding: every sublayer left at once"
 
 
+def attention(tokens: int, start: int) -> float:
+    """An attention sublayer's weight in `measured(parity=1000.0, attention_share=0.25)`."""
+    return tokens * (0.25 + (start + (tokens - 1) / 2) / 1000) / 30
+
+
 def test_attention_weighs_a_slice_at_depth_and_its_attention_sublayers_more() -> None:
     budget = measured(parity=1000.0, attention_share=0.25)
-    # T tokens from p weigh T (1 + (p + (T - 1) / 2) / 1,000); 4 sublayers of them 4/60 of it <= 125
+    # the attention, heavier than the MLP (T x 0.75 / 30), within the share (125): 2,432 tokens at 0,
+    # 896 at 3,000, whole buckets
     early, late = budget.slice_tokens(8, 0, 100000), budget.slice_tokens(8, 3000, 100000)
-    assert budget.weight([PromptChunk(9, 0, 1179)]) <= 1875 < budget.weight([PromptChunk(9, 0, 1180)])
-    assert early == 1152  # 1,179 floored to whole buckets
-    assert late == MIN_SLICE_TOKENS  # 444 fit at 3,000
+    assert attention(2432, 0) <= SHARE < attention(2560, 0) and early == 2432
+    assert attention(896, 3000) <= SHARE < attention(1024, 3000) and late == 896
+    assert budget.slice_tokens(8, 20000, 100000) == MIN_SLICE_TOKENS, "no chunk smaller, however deep"
+    # with attention free, the MLP is the heavier: T x 0.75 / 30 <= 125, T <= 5,000
+    assert measured(attention_share=0.25).slice_tokens(8, 0, 100000) == 4992
     # 500 tokens at 3,000: an attention weighs 500 x (0.25 + 3,249.5 / 1,000) / 30 = 58.3, an MLP 12.5
     chunk = PromptChunk(9, 3000, 500)
     assert budget.slice_stop(8, chunk, 0) == 2  # 58.3 + 12.5; a second attention passes 125

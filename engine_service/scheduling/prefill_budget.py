@@ -74,19 +74,30 @@ SLICE_STALL_FACTOR 3 that is 1.5x at a full share, the step's sublayers being wh
   prefill's cost of their sublayers' share: `observe_slice`);
 - a sublayer's weight: an attention's tokens weigh attention_share of a layer's matmuls plus its
   attention at their positions (1 / parity a position), an MLP's the rest of the matmuls;
-- a chunk's tokens: those of which SPAN_SUBLAYERS sublayers fill the share, in whole SLICE_BUCKETs
-  (the runner pads the prompt's last chunk to one, and has oneDNN make those row counts' kernels
-  at start-up: a new count cost 30-45 ms inside a step), at least MIN_SLICE_TOKENS, and all the
-  rest where no more than that would be left;
+- a chunk's tokens: as many as keep its heavier sublayer within the share, so that no step needs
+  more than its share, in whole SLICE_BUCKETs (the runner pads the prompt's last chunk to one, and
+  has oneDNN make those row counts' kernels at start-up: a new count cost 30-45 ms inside a step),
+  at least MIN_SLICE_TOKENS, and all the rest where no more than that would be left. As large as
+  that, not smaller: a later chunk's attention reads the earlier ones' keys under a mask (no
+  causal skip) and smaller chunks run their matmuls slower a token. Measured in one process
+  (SmolLM2, int4 decode, bfloat16 prefill, a decode step of 8 rows before each span of 4
+  sublayers, Xeon 207 with AMX, medians of 5): a 2,048-token chunk 753 ms, chunks of 1,152 and
+  896 tokens 954 ms, an idle prefill of 2,000 tokens 688 ms; the torch profiler without the
+  decode steps: attention 361 against 435 ms, linears 267 against 343 ms. Chunks sized for 4
+  sublayers a step, before, were 1,152 and 848 tokens there;
 - no slicing with a fixed budget (`--max-prefill-tokens N` chunks by N tokens), with no decoding
   row (nobody waits: the whole prompt runs at once), for a prompt whose log-probabilities are
   echoed, or before a decode-only step and an idle prefill have been timed.
-Measured with benchmarks/chunked_prefill.py (Xeon 207 with AMX, 4 rounds a run, medians): with
-`--quantize auto` the streams' largest gap 3.50x and 3.22x their TPOT (plain chunks: 4.5-4.6x),
-the long prompt's TTFT 2.29x and 2.29x alone (2.2-2.7x); with `--quantize none` 3.51x and 3.37x
-(4.0-4.3x), TTFT 1.69x and 1.76x (1.4-1.8x). The machine's speed moved within these runs (the
-TTFT alone 732-1,384 ms); docs/decode-speed.md, "Layer-sliced prefill", has the steps' log and
-the forms tried.
+Measured with benchmarks/chunked_prefill.py (Xeon 207 with AMX, 4 rounds a run, medians), runs of
+this form and of the one before (chunks sized for 4 sublayers) in turn: with `--quantize auto`
+the streams' largest gap 3.76x and 3.81x their TPOT (before: 3.77x, 3.90x; plain chunks 4.5-4.6x),
+the long prompt's TTFT 1.82x and 1.78x alone (before: 2.07x, 2.06x; plain chunks 2.2-2.7x); with
+`--quantize none` gap 4.06x and 3.32x (3.52x, 3.20x), TTFT 1.60x and 1.75x (1.86x, 1.80x). The
+4.06x is one round's 7.31x, a 166 ms gap in a round whose sliced steps took at most 67 ms.
+Why the TTFT is still over 1.6x: a step holds whole sublayers, 26 ms a layer of a 2,000-token
+chunk against a share of 28-50 ms, so steps run 2.4-2.8 decode steps where 3 are allowed; and
+the sliced work costs 1.05-1.2x an idle prefill's beside streaming rows. docs/decode-speed.md,
+"Layer-sliced prefill", has the steps' log and the forms tried, finer sublayers among them.
 
 The engine gives its budget a parity measured at start-up on a CPU (runtime/build.chunk_parity,
 model/attention_cost.py: one layer's projections over a chunk's rows against its attention at
@@ -110,7 +121,6 @@ MIN_TOKENS = 16  # one prefix-cache block: a smaller chunk pays a step's fixed c
 START_TOKENS = 96  # before the loop has timed a decode-only step and an idle prefill
 SMOOTHING = 0.3  # weight of the newest measurement in each moving average
 SLICE_STALL_FACTOR = 3.0  # a layer-sliced step's target, in decode steps (module docstring)
-SPAN_SUBLAYERS = 4  # a sliced chunk's size: about this many of its sublayers fill a step (slice_tokens)
 SLICE_BUCKET = 128  # a sliced chunk's tokens: a whole number of these, or the prompt's rest (the runner pads it)
 MIN_SLICE_TOKENS = 512  # a prompt with no more to go prefills in plain chunks, and no sliced chunk is smaller
 SLICE_COST = 1.0  # a sliced step's sublayers, in idle prefill's cost of them, before one is timed
@@ -165,17 +175,28 @@ class PrefillBudget:
     def slice_tokens(self, decoding: int, position: int, remaining: int) -> int | None:
         """The tokens of a layer-sliced chunk from `position` (scheduler.Slicer), where the prompt
         would take more than one plain chunk beside `decoding` rows (> 0) and has more than
-        MIN_SLICE_TOKENS to go (else None: plain chunks): as many as let SPAN_SUBLAYERS of their
-        sublayers fill a step's share, in whole SLICE_BUCKETs and at least MIN_SLICE_TOKENS; or all
-        of them where the rest would be no more than MIN_SLICE_TOKENS, too few to slice (a step's
-        sublayers are whole: the finer, the fuller its share; but a chunk's last step is as full as
-        its sublayers left, and small chunks run their matmuls slower a token)."""
+        MIN_SLICE_TOKENS to go (else None: plain chunks): as many as keep its heaviest sublayer
+        within a step's share, in whole SLICE_BUCKETs and at least MIN_SLICE_TOKENS; or all of them
+        where the rest would be no more than MIN_SLICE_TOKENS, too few to slice. The larger the
+        chunk, the nearer its cost a token to an idle prefill's (no later chunk's attention over
+        the earlier ones' keys, no small matmuls); no larger, so that a step never needs more than
+        its share."""
         share = self._slice_share(decoding)
         if share is None or remaining <= max(MIN_SLICE_TOKENS, self.tokens(decoding, position)):
             return None
-        fit = int(self._fitting(share * self.sublayers / SPAN_SUBLAYERS, position))
-        tokens = max(MIN_SLICE_TOKENS, fit - fit % SLICE_BUCKET)
+        low, high = MIN_SLICE_TOKENS // SLICE_BUCKET, -(-remaining // SLICE_BUCKET)  # in buckets
+        while low < high:  # the most buckets whose heaviest sublayer fits the share
+            mid = (low + high + 1) // 2
+            if self._heaviest(PromptChunk(0, position, mid * SLICE_BUCKET)) <= share:
+                low = mid
+            else:
+                high = mid - 1
+        tokens = min(remaining, low * SLICE_BUCKET)
         return remaining if remaining - tokens <= MIN_SLICE_TOKENS else tokens
+
+    def _heaviest(self, chunk: PromptChunk) -> float:
+        """The weight of `chunk`'s heavier sublayer, its attention or its MLP (every layer's alike)."""
+        return max(self._sublayer_weight(chunk, 0), self._sublayer_weight(chunk, 1))
 
     def slice_stop(self, decoding: int, chunk: PromptChunk, first: int) -> int:
         """Where this step's span of `chunk`'s sublayers from `first` stops (scheduler.Slicer): as
