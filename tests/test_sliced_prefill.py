@@ -217,7 +217,7 @@ def measured(sublayers: int = 60, decode: float = 0.03125, token_idle: float = 0
 SHARE = (SLICE_STALL_FACTOR - 1) * 0.03125 / 0.0005  # 125 idle tokens through every layer a step, beside 8 rows
 
 
-def test_a_slice_is_as_many_tokens_as_keep_its_heaviest_sublayer_within_a_steps_share() -> None:
+def test_a_slice_is_as_many_tokens_as_keep_its_heavier_sublayer_within_a_steps_share() -> None:
     budget = measured()  # attention_share 0.5, parity inf: a sublayer of T tokens weighs T / 60
     # T / 60 <= 125 idle tokens: T <= 7,500, floored to whole buckets (7,424), or all of the prompt
     # where it is no more, or where no more than MIN_SLICE_TOKENS would be left
@@ -239,7 +239,7 @@ def test_a_slice_is_as_many_tokens_as_keep_its_heaviest_sublayer_within_a_steps_
     assert slow.slice_tokens(8, 0, plain + 1) == plain + 1
 
 
-def test_a_slice_whose_heaviest_sublayer_fills_the_share_exactly_is_whole() -> None:
+def test_a_slice_whose_heavier_sublayer_fills_the_share_exactly_is_whole() -> None:
     # 8,192 tokens: a sublayer weighs 8,192 x 0.5 / 32 = 128, the share exactly; a bucket more passes it
     assert exact().slice_tokens(8, 0, 20000) == 8192
     assert exact().slice_tokens(8, 0, 8192 + 513) == 8192

@@ -108,6 +108,7 @@ against 3,072 by FLOPs), and with the FLOPs' parity a long prompt's late chunks 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 
@@ -175,7 +176,7 @@ class PrefillBudget:
     def slice_tokens(self, decoding: int, position: int, remaining: int) -> int | None:
         """The tokens of a layer-sliced chunk from `position` (scheduler.Slicer), where the prompt
         would take more than one plain chunk beside `decoding` rows (> 0) and has more than
-        MIN_SLICE_TOKENS to go (else None: plain chunks): as many as keep its heaviest sublayer
+        MIN_SLICE_TOKENS to go (else None: plain chunks): as many as keep its heavier sublayer
         within a step's share, in whole SLICE_BUCKETs and at least MIN_SLICE_TOKENS; or all of them
         where the rest would be no more than MIN_SLICE_TOKENS, too few to slice. The larger the
         chunk, the nearer its cost a token to an idle prefill's (no later chunk's attention over
@@ -184,19 +185,16 @@ class PrefillBudget:
         share = self._slice_share(decoding)
         if share is None or remaining <= max(MIN_SLICE_TOKENS, self.tokens(decoding, position)):
             return None
-        low, high = MIN_SLICE_TOKENS // SLICE_BUCKET, -(-remaining // SLICE_BUCKET)  # in buckets
-        while low < high:  # the most buckets whose heaviest sublayer fits the share
-            mid = (low + high + 1) // 2
-            if self._heaviest(PromptChunk(0, position, mid * SLICE_BUCKET)) <= share:
-                low = mid
-            else:
-                high = mid - 1
-        tokens = min(remaining, low * SLICE_BUCKET)
+        least = MIN_SLICE_TOKENS // SLICE_BUCKET  # in buckets
+        more = range(least + 1, -(-remaining // SLICE_BUCKET) + 1)  # a heavier sublayer each
+        fit = least + bisect.bisect_right(more, share, key=lambda n: self._heavier(position, n * SLICE_BUCKET))
+        tokens = min(remaining, fit * SLICE_BUCKET)
         return remaining if remaining - tokens <= MIN_SLICE_TOKENS else tokens
 
-    def _heaviest(self, chunk: PromptChunk) -> float:
-        """The weight of `chunk`'s heavier sublayer, its attention or its MLP (every layer's alike)."""
-        return max(self._sublayer_weight(chunk, 0), self._sublayer_weight(chunk, 1))
+    def _heavier(self, start: int, length: int) -> float:
+        """The weight of the heavier sublayer, its attention or its MLP, of a chunk of `length`
+        tokens from `start` (every layer's are alike)."""
+        return max(self._sublayer_weight(start, length, 0), self._sublayer_weight(start, length, 1))
 
     def slice_stop(self, decoding: int, chunk: PromptChunk, first: int) -> int:
         """Where this step's span of `chunk`'s sublayers from `first` stops (scheduler.Slicer): as
@@ -205,21 +203,21 @@ class PrefillBudget:
         share = self._slice_share(decoding)
         if share is None:
             return self.sublayers
-        stop, used = first + 1, self._sublayer_weight(chunk, first)
-        while stop < self.sublayers and used + self._sublayer_weight(chunk, stop) <= share:
-            used += self._sublayer_weight(chunk, stop)
+        stop, used = first + 1, self._sublayer_weight(chunk.start, chunk.length, first)
+        while stop < self.sublayers and used + self._sublayer_weight(chunk.start, chunk.length, stop) <= share:
+            used += self._sublayer_weight(chunk.start, chunk.length, stop)
             stop += 1
         return stop
 
-    def _sublayer_weight(self, chunk: PromptChunk, sublayer: int) -> float:
-        """`chunk` through one sublayer, in idle prefill's tokens at position 0 through every layer:
-        an attention (even) has attention_share of a layer's matmuls and the attention over the
-        chunk's positions, an MLP (odd) the rest of the matmuls."""
+    def _sublayer_weight(self, start: int, length: int, sublayer: int) -> float:
+        """A chunk of `length` tokens from `start` through one sublayer, in idle prefill's tokens at
+        position 0 through every layer: an attention (even) has attention_share of a layer's
+        matmuls and the attention over the chunk's positions, an MLP (odd) the rest of the matmuls."""
         if sublayer % 2:
             per_token = 1 - self.attention_share
         else:
-            per_token = self.attention_share + (chunk.start + (chunk.length - 1) / 2) / self.parity
-        return chunk.length * per_token / (self.sublayers / 2)
+            per_token = self.attention_share + (start + (length - 1) / 2) / self.parity
+        return length * per_token / (self.sublayers / 2)
 
     def _slice_share(self, decoding: int) -> float | None:
         """A step's share for a sliced chunk beside `decoding` rows, in idle prefill's tokens at
@@ -275,7 +273,7 @@ class PrefillBudget:
         if basis is None:
             return  # another slicer's chunk (a test's), or nothing to count this step's cost against
         decode, token_idle = basis
-        weight = sum(self._sublayer_weight(chunk, s) for s in range(first, stop))
+        weight = sum(self._sublayer_weight(chunk.start, chunk.length, s) for s in range(first, stop))
         cost = (seconds - decode) / (weight * token_idle)
         self._slice_cost = _average(self._slice_cost, min(MAX_SLICE_COST, max(MIN_SLICE_COST, cost)))
 
