@@ -21,6 +21,7 @@ from engine_service.runtime.delta import Delta
 from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import ModelRunner
 from engine_service.scheduling.prefill_budget import (
+    MAX_SLICE_TOKENS,
     MIN_SLICE_TOKENS,
     SLICE_BUCKET,
     SLICE_STALL_FACTOR,
@@ -218,18 +219,20 @@ SHARE = (SLICE_STALL_FACTOR - 1) * 0.03125 / 0.0005  # 125 idle tokens through e
 
 
 def test_a_slice_is_as_many_tokens_as_keep_its_heavier_sublayer_within_a_steps_share() -> None:
-    budget = measured()  # attention_share 0.5, parity inf: a sublayer of T tokens weighs T / 60
-    # T / 60 <= 125 idle tokens: T <= 7,500, floored to whole buckets (7,424), or all of the prompt
-    # where it is no more, or where no more than MIN_SLICE_TOKENS would be left
+    budget = measured(decode=0.005)  # attention_share 0.5, parity inf: a sublayer of T tokens weighs T / 60
+    # T / 60 <= 20 idle tokens (the share): T <= 1,200, floored to whole buckets (1,152), or all of
+    # the prompt where it is no more, or where no more than MIN_SLICE_TOKENS would be left
     assert SLICE_BUCKET == 128 and MIN_SLICE_TOKENS == 512
-    assert budget.slice_tokens(8, 0, 100000) == 7424
-    assert budget.slice_tokens(8, 0, 5000) == 5000, "the whole prompt, its sublayers within the share"
-    assert budget.slice_tokens(8, 0, 7424 + 513) == 7424
-    assert budget.slice_tokens(8, 0, 7424 + 512) == 7424 + 512, "no rest that would go unsliced"
+    assert budget.slice_tokens(8, 0, 100000) == 1152
+    assert budget.slice_tokens(8, 0, 1100) == 1100, "the whole prompt, its sublayers within the share"
+    assert budget.slice_tokens(8, 0, 1152 + 513) == 1152
+    assert budget.slice_tokens(8, 0, 1152 + 512) == 1152 + 512, "no rest that would go unsliced"
     assert budget.slice_tokens(8, 0, MIN_SLICE_TOKENS) is None, "a short prompt: a step or two of plain chunks"
     assert budget.slice_tokens(8, 0, MIN_SLICE_TOKENS + 1) == MIN_SLICE_TOKENS + 1
-    fast = measured(decode=0.005)  # a share of 20: T <= 1,200
-    assert fast.slice_tokens(8, 0, 5000) == 1152
+    roomy = measured()  # a share of 125: T <= 7,500, but no chunk is larger than MAX_SLICE_TOKENS
+    assert roomy.slice_tokens(8, 0, 100000) == MAX_SLICE_TOKENS
+    assert roomy.slice_tokens(8, 0, MAX_SLICE_TOKENS + 512) == MAX_SLICE_TOKENS + 512, "but for a rest it joins"
+    assert roomy.slice_tokens(8, 0, MAX_SLICE_TOKENS + 513) == MAX_SLICE_TOKENS
     faster = measured(decode=0.001)  # a share of 4: 240 tokens would fit, but no chunk is smaller than 512
     assert faster.slice_tokens(8, 0, 5000) == MIN_SLICE_TOKENS
     slow = measured(decode=0.25)  # decode steps so long that a plain chunk passes MIN_SLICE_TOKENS
@@ -239,10 +242,10 @@ def test_a_slice_is_as_many_tokens_as_keep_its_heavier_sublayer_within_a_steps_s
     assert slow.slice_tokens(8, 0, plain + 1) == plain + 1
 
 
-def test_a_slice_whose_heavier_sublayer_fills_the_share_exactly_is_whole() -> None:
-    # 8,192 tokens: a sublayer weighs 8,192 x 0.5 / 32 = 128, the share exactly; a bucket more passes it
-    assert exact().slice_tokens(8, 0, 20000) == 8192
-    assert exact().slice_tokens(8, 0, 8192 + 513) == 8192
+def test_a_slice_whose_heavier_sublayer_fills_the_share_exactly_is_that_large() -> None:
+    # a share of 2 x 2^-7 / 2^-11 = 32; 2,048 tokens: a sublayer weighs 2,048 x 0.5 / 32 = 32, the
+    # share exactly; a bucket more passes it
+    assert exact(decode=2**-7).slice_tokens(8, 0, 20000) == 2048
 
 
 def test_a_step_runs_the_sublayers_that_fit_its_share() -> None:
@@ -268,8 +271,8 @@ def test_attention_weighs_a_slice_at_depth_and_its_attention_sublayers_more() ->
     assert attention(2432, 0) <= SHARE < attention(2560, 0) and early == 2432
     assert attention(896, 3000) <= SHARE < attention(1024, 3000) and late == 896
     assert budget.slice_tokens(8, 20000, 100000) == MIN_SLICE_TOKENS, "no chunk smaller, however deep"
-    # with attention free, the MLP is the heavier: T x 0.75 / 30 <= 125, T <= 5,000
-    assert measured(attention_share=0.25).slice_tokens(8, 0, 100000) == 4992
+    # with attention free, the MLP is the heavier: T x 0.75 / 30 <= 50 (a decode step of 12.5 ms), T <= 2,000
+    assert measured(decode=0.0125, attention_share=0.25).slice_tokens(8, 0, 100000) == 1920
     # 500 tokens at 3,000: an attention weighs 500 x (0.25 + 3,249.5 / 1,000) / 30 = 58.3, an MLP 12.5
     chunk = PromptChunk(9, 3000, 500)
     assert budget.slice_stop(8, chunk, 0) == 2  # 58.3 + 12.5; a second attention passes 125
@@ -419,11 +422,11 @@ def test_a_span_past_the_first_with_no_output_held_for_it_is_a_plan_error() -> N
 
 # -- the budget's edges (what the mutation run found untested) ------------------------------------
 
-def exact() -> PrefillBudget:
+def exact(decode: float = 2**-5) -> PrefillBudget:
     """A budget of 64 sublayers whose numbers are binary-exact: a decode step of 2^-5 s and an idle
     prefill of 2^-11 s a token, so a step's share is 2 x 2^-5 / 2^-11 = 128 idle tokens."""
     budget = PrefillBudget(None, 4096, sublayers=64)
-    budget.observe(8, [], 2**-5)
+    budget.observe(8, [], decode)
     budget.observe(0, [PromptChunk(9, 0, 1024)], 0.5)
     return budget
 

@@ -22,13 +22,12 @@ from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.quantize import quantize_model
 from engine_service.model.traced_decode import TracedDecode, TracedMixed, TracedVerify
-from engine_service.scheduling.prefill_budget import MIN_SLICE_TOKENS, SLICE_BUCKET
+from engine_service.scheduling.prefill_budget import MAX_SLICE_TOKENS, MIN_SLICE_TOKENS, SLICE_BUCKET
 from engine_service.scheduling.sequence import Sequence
 from engine_service.scheduling.step_plan import DecodeRow, PlanError, Prefill, StepPlan
 
 log = structlog.get_logger()
 
-WARM_ROWS = 4096  # warm_sliced_prefill's largest row count (a chunk the budget makes is smaller, but at long contexts)
 
 
 @dataclass(frozen=True)
@@ -149,13 +148,14 @@ class ModelRunner:
 
     def warm_sliced_prefill(self) -> None:
         """Run the first layer's projections over each row count a sliced chunk runs at (the
-        multiples of SLICE_BUCKET from MIN_SLICE_TOKENS up to WARM_ROWS and the context), so that
-        oneDNN makes its kernels for them now and not in a step beside decoding rows: a new count
-        cost 30-45 ms there, against 20-45 ms for a 2,000-token chunk's layer itself (SmolLM2 in
-        bfloat16, Xeon 207 with AMX)."""
+        multiples of SLICE_BUCKET from MIN_SLICE_TOKENS up to the context, or up to MAX_SLICE_TOKENS
+        and the rest of at most MIN_SLICE_TOKENS it may join), so that oneDNN makes its kernels for
+        them now and not in a step beside decoding rows: a new count cost 30-45 ms there, against
+        20-45 ms for a 2,000-token chunk's layer itself (SmolLM2 in bfloat16, Xeon 207 with AMX)."""
         layer = self.model.model.layers[0]
         hidden, width = self.model.config.hidden_size, layer.mlp.size
-        for rows in range(MIN_SLICE_TOKENS, min(self.cache.max_context, WARM_ROWS) + 1, SLICE_BUCKET):
+        for rows in range(MIN_SLICE_TOKENS, min(self.cache.max_context, MAX_SLICE_TOKENS + MIN_SLICE_TOKENS) + 1,
+                          SLICE_BUCKET):
             x = torch.zeros(1, rows, hidden, dtype=self.cache.k.dtype, device=self.device)
             layer.self_attn.qkv(x)
             layer.self_attn.out(torch.zeros(1, rows, layer.self_attn.heads * layer.self_attn.head_dim,
