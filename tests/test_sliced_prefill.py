@@ -195,7 +195,8 @@ def test_the_loop_tells_the_budget_each_sliced_steps_span_and_time_and_logs_it(m
     assert level == "debug" and {k: first[k] for k in ("decoding", "tokens", "position", "sublayers", "ms")} == {
         "decoding": 1, "tokens": 64, "position": 0, "sublayers": [0, 4], "ms": 12.3}
     # each sliced step took no longer than a decode step: its sublayers cost nothing, held at the least
-    assert [f["slice_cost"] for _, f in events] == [0.775, 0.618, 0.507]  # 1 + 0.3 x (0.25 - 1), ...
+    # 1 + 0.3 x (0.25 - 1), ..., shown to three places
+    assert [f["slice_cost"] for _, f in events] == pytest.approx([0.775, 0.6175, 0.50725], abs=6e-4)
     assert events[-1][1]["decode_ms"] == {1: 12.34} and set(events[-1][1]) == {
         "decoding", "tokens", "position", "sublayers", "ms", *budget.describe()}  # the estimates of the time
 
@@ -313,6 +314,20 @@ def test_a_sliced_steps_time_teaches_the_slice_cost() -> None:
     unmeasured.observe_slice(8, chunk, 0, 1, 10.0)
     assert unmeasured.describe()["slice_cost"] == 1.0, "nothing to count the step against yet"
     assert "slice_cost" not in PrefillBudget(None, 4096).describe(), "no slicing, no slice cost"
+
+
+def test_a_machine_that_slows_as_a_whole_keeps_a_steps_span() -> None:
+    budget = measured()  # a share of 125 idle tokens: 18 sublayers of 400 tokens (6.67 each)
+    chunk = PromptChunk(9, 0, 400)
+    for _ in range(30):  # sliced steps at exactly an idle prefill's cost: 6 sublayers, 0.02 s beyond the decode step
+        budget.observe_slice(8, chunk, 10, 16, 0.03125 + 0.02)
+    assert budget.slice_stop(8, chunk, 0) == 18
+    for _ in range(60):  # then every decode step takes twice as long (so will the sliced work), and no
+        budget.observe(8, [], 0.0625)  # idle prefill comes to say so: its time is stale
+    # the rate is learned against the decode step: still 2 decode steps' worth, 18 sublayers, now
+    # 0.125 s; counted against the stale idle prefill's time, 37 would have taken 0.25 s
+    assert budget.slice_stop(8, chunk, 0) == 18
+    assert budget.describe()["slice_cost"] == pytest.approx(1.0), "as of the last sliced step"
 
 
 def test_attention_share_is_the_attention_projections_part_of_a_layers_matmuls() -> None:
