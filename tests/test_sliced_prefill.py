@@ -330,6 +330,18 @@ def test_a_machine_that_slows_as_a_whole_keeps_a_steps_span() -> None:
     assert budget.describe()["slice_cost"] == pytest.approx(1.0), "as of the last sliced step"
 
 
+def test_a_rate_learned_beside_some_rows_is_counted_against_their_decode_step_beside_others() -> None:
+    budget = measured()  # decode steps of 8 rows: 0.03125 s
+    chunk = PromptChunk(9, 0, 400)
+    for _ in range(30):  # sliced at an idle prefill's cost beside 8 rows
+        budget.observe_slice(8, chunk, 10, 16, 0.03125 + 0.02)
+    for _ in range(60):
+        budget.observe(2, [], 0.03125 / 4)  # 2 rows decode in a quarter of the time
+    # the share beside 2 rows is 2 of their decode steps: a quarter of the 8 rows' (18 sublayers), 4
+    assert budget.slice_stop(2, chunk, 0) == 4
+    assert budget.slice_stop(8, chunk, 0) == 18
+
+
 def test_attention_share_is_the_attention_projections_part_of_a_layers_matmuls() -> None:
     assert attention_share(PRESETS["tiny"]) == pytest.approx((64 * 128 + 64 * 64) / (64 * 128 + 64 * 64 + 3 * 64 * 128))
     smollm2 = replace(PRESETS["tiny"], hidden_size=576, num_attention_heads=9, num_key_value_heads=3,

@@ -29,7 +29,6 @@ from engine_service.scheduling.step_plan import DecodeRow, PlanError, Prefill, S
 log = structlog.get_logger()
 
 
-
 @dataclass(frozen=True)
 class StepLogits:
     """A step's logits: `sampled` (d + K, V) as ModelRunner.forward describes them, and, for each

@@ -71,8 +71,8 @@ rows: the matmuls at their full rate), so the prompt waits S / (S - 1) times its
 SLICE_STALL_FACTOR 3 that is 1.5x at a full share, the step's sublayers being whole.
 - the step's share: (SLICE_STALL_FACTOR - 1) decode steps' worth of sublayers, at the rate the
   sliced steps have shown (a moving average of their time beyond their decode step, a unit of
-  their sublayers' weight, against the decode step's time: `observe_slice`, `_rate`; before one is
-  timed, an idle prefill's rate);
+  their sublayers' weight, against that decode step's time: `observe_slice`, `_weight_seconds`;
+  before one is timed, an idle prefill's rate);
 - a sublayer's weight: an attention's tokens weigh attention_share of a layer's matmuls plus its
   attention at their positions (1 / parity a position), an MLP's the rest of the matmuls;
 - a chunk's tokens: as many as keep its heavier sublayer within the share, so that no step needs
@@ -160,8 +160,8 @@ class PrefillBudget:
         self.sublayers = sublayers if fixed is None else 0  # a fixed budget is a fixed chunk size: no slicing
         self.attention_share = attention_share
         # a sliced step's sublayers: seconds a unit of their weight, over a decode-only step's seconds
-        # (observe_slice); None until one is timed
-        self._slice_rate: float | None = None
+        # beside the rows it was learned beside (observe_slice), and those rows; None until one is timed
+        self._slice_rate: tuple[float, int] | None = None
         self._slice_cost = SLICE_COST  # the same in idle prefill's cost of them, as of the last one (for logs)
         self._decode: dict[int, float] = {}  # decoding rows -> seconds of a decode-only step
         self._token_idle: float | None = None  # seconds per prompt token at position 0, nothing decoding
@@ -233,17 +233,24 @@ class PrefillBudget:
         basis = self._slice_basis(decoding)
         if basis is None:
             return None
-        return (SLICE_STALL_FACTOR - 1) / self._rate(*basis)
+        decode, token_idle = basis
+        return (SLICE_STALL_FACTOR - 1) * decode / self._weight_seconds(token_idle)
 
-    def _rate(self, decode: float, token_idle: float) -> float:
-        """A sliced step's sublayers: seconds a unit of their weight over a decode-only step's
-        seconds, as learned (observe_slice), or SLICE_COST's before a sliced step is timed. Learned
-        against the decode step they ride beside, not against an idle prefill's cost: when the
-        machine slows or speeds up as a whole (this class of VM moves 1.5-2x within minutes), the
-        decode steps between prompts show it at once, where an idle prefill's time, measured
-        rarely, would go stale, and a share sized from it overran: the first spans of a prompt in a
-        slower phase took 4.8-5.1 decode steps against the 3 aimed at (Xeon 207 with AMX)."""
-        return SLICE_COST * token_idle / decode if self._slice_rate is None else self._slice_rate
+    def _weight_seconds(self, token_idle: float) -> float:
+        """A sliced step's sublayers: seconds a unit of their weight now. Learned (observe_slice) as
+        a fraction of the decode-only step they rode beside, so counted against that step's time as
+        it is now; SLICE_COST's idle prefill cost before a sliced step is timed. Not learned against
+        an idle prefill's time: when the machine slows or speeds up as a whole (this class of VM
+        moves 1.5-2x within minutes), the decode steps between prompts show it at once, where an
+        idle prefill's time, measured rarely, goes stale, and a share sized from it overran: the
+        first spans of a prompt in a slower phase took 4.8-5.1 decode steps against the 3 aimed at
+        (Xeon 207 with AMX)."""
+        if self._slice_rate is None:
+            return SLICE_COST * token_idle
+        rate, rows = self._slice_rate
+        decode = self._decode_seconds(rows)
+        assert decode is not None  # a rate is learned only against a decode step timed
+        return rate * decode
 
     def _slice_basis(self, decoding: int) -> tuple[float, float] | None:
         """(a decode-only step's seconds beside `decoding` rows, an idle prompt token's), what a
@@ -284,7 +291,7 @@ class PrefillBudget:
     def observe_slice(self, decoding: int, chunk: PromptChunk, first: int, stop: int, seconds: float) -> None:
         """A step took `seconds` with `decoding` rows decoding and `chunk` through sublayers
         first..stop-1: the sliced chunk's time beyond the decode step's, a unit of those sublayers'
-        weight, over the decode step's (`_rate`'s moving average), held within MIN_SLICE_COST and
+        weight, over the decode step's (`_weight_seconds`' moving average), held within MIN_SLICE_COST and
         MAX_SLICE_COST times an idle prefill's."""
         basis = self._slice_basis(decoding)
         if basis is None:
@@ -293,9 +300,10 @@ class PrefillBudget:
         weight = sum(self._sublayer_weight(chunk.start, chunk.length, s) for s in range(first, stop))
         idle = token_idle / decode  # an idle prefill's rate
         rate = (seconds - decode) / (weight * decode)
-        self._slice_rate = _average(self._rate(decode, token_idle),
-                                    min(MAX_SLICE_COST * idle, max(MIN_SLICE_COST * idle, rate)))
-        self._slice_cost = self._slice_rate / idle
+        learned = _average(self._weight_seconds(token_idle) / decode,
+                           min(MAX_SLICE_COST * idle, max(MIN_SLICE_COST * idle, rate)))
+        self._slice_rate = (learned, decoding)
+        self._slice_cost = learned / idle
 
     def plain_seconds(self, decoding: int) -> float | None:
         """A decode-only step's time at exactly `decoding` rows, None until one is timed."""
