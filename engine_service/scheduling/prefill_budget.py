@@ -290,9 +290,9 @@ class PrefillBudget:
 
     def observe_slice(self, decoding: int, chunk: PromptChunk, first: int, stop: int, seconds: float) -> None:
         """A step took `seconds` with `decoding` rows decoding and `chunk` through sublayers
-        first..stop-1: the sliced chunk's time beyond the decode step's, a unit of those sublayers'
-        weight, over the decode step's (`_weight_seconds`' moving average), held within MIN_SLICE_COST and
-        MAX_SLICE_COST times an idle prefill's."""
+        first..stop-1: the sliced chunk's time beyond the decode step's, a unit of those
+        sublayers' weight, over the decode step's (`_weight_seconds`' moving average), held within
+        MIN_SLICE_COST and MAX_SLICE_COST times an idle prefill's."""
         basis = self._slice_basis(decoding)
         if basis is None:
             return  # another slicer's chunk (a test's), or nothing to count this step's cost against
