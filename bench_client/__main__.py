@@ -36,6 +36,7 @@ from bench_client.report import print_table, write_plots
 from bench_client.results import ResultsDir, ResultsError, load_for_report
 from bench_client.sweep import SweepEnd, SweepResult, SweepRunner, open_workload
 from shared.errors import EngineError, status_code_of
+from shared.heap import frozen_heap
 from shared.logging import configure_logging
 from shared.tracing import configure_tracing, shutdown_tracing
 
@@ -86,7 +87,9 @@ def run_sweep(args: argparse.Namespace) -> int:
         shutdown_tracing()
         return EXIT_USAGE
     try:
-        with SweepProgress() as progress:
+        # the workload and all start-up made, out of the collector's full passes: none stops the
+        # sweep's clocks mid-measurement (shared/heap.py)
+        with SweepProgress() as progress, frozen_heap():
             runner = SweepRunner(config, results, progress, workload)
             result, signum = asyncio.run(_run_with_signals(runner))
     finally:

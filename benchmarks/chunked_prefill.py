@@ -41,6 +41,7 @@ from bench_client.prompts import make_prompt
 from engine.v1 import engine_pb2 as pb
 from engine.v1 import engine_pb2_grpc
 from engine_service.machine.cpu import detect
+from shared.heap import frozen_heap
 from tools.local_engine import EngineProcess
 
 VOCAB, SPECIAL = 40003, (0, 1, 2)  # SmolLM2's ids 3..40002: no special token
@@ -136,7 +137,8 @@ def main() -> None:
                            "--max-context", "2048", "--threads", "0", "--compile-decode", "auto",
                            start_timeout=300,  # the product's defaults; a first compile is minutes
                            env={"ENGINE_LOG_LEVEL": "debug"} if args.steps else None) as proc:
-            rounds = asyncio.run(measure(proc.address, 100_000 * (n + 1), args.rounds))
+            with frozen_heap():  # no full collection of this client's heap stops its clocks mid-round
+                rounds = asyncio.run(measure(proc.address, 100_000 * (n + 1), args.rounds))
             if args.steps:
                 args.steps.mkdir(parents=True, exist_ok=True)
                 steps = sorted(proc.events_named("prefill_step") + proc.events_named("sliced_prefill_step"),

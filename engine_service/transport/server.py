@@ -33,6 +33,7 @@ from engine_service.transport.security import BearerTokenInterceptor, server_cre
 from engine_service.transport.servicer import SERVICE_NAME, EngineServicer
 from engine_service.transport.telemetry import RequestTelemetry
 from shared.errors import EngineDraining
+from shared.heap import frozen_heap
 from shared.tracing import flush_traces
 
 if TYPE_CHECKING:  # imported where --http-port asks for it: aiohttp and the front cost 0.3 s of every start
@@ -190,21 +191,22 @@ async def _serve(engine_cfg: EngineConfig, slot: EngineSlot, server_cfg: ServerC
         return 0
     engine = starting.result()
     slot.fill(engine)
-    await set_health(running, health_pb2.HealthCheckResponse.SERVING)
-    log.info("engine_serving", port=running.port, http_port=running.http_port)
+    with frozen_heap() as frozen:  # the model and all start-up made, out of the collector's full passes
+        await set_health(running, health_pb2.HealthCheckResponse.SERVING)
+        log.info("engine_serving", port=running.port, http_port=running.http_port, gc_frozen_objects=frozen)
 
-    fatal_wait = asyncio.create_task(fatal.wait())
-    await asyncio.wait({stopping, fatal_wait}, return_when=asyncio.FIRST_COMPLETED)
-    if fatal.is_set():
-        await set_health(running, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await engine.wait_idle(0.5)  # the streams in flight are being told UNAVAILABLE
-        await asyncio.sleep(0.1)  # and gRPC writes those statuses out before the sockets close
-        # the loop thread's watchdog exits the process within FATAL_EXIT_AFTER_SECONDS: export now
-        await asyncio.to_thread(flush_traces, 0.5)
-        log.error("engine_exiting", exit_code=FATAL_EXIT_CODE)
-        exit_now(FATAL_EXIT_CODE)
-    fatal_wait.cancel()
-    return await drain(running, server_cfg.grace_seconds)
+        fatal_wait = asyncio.create_task(fatal.wait())
+        await asyncio.wait({stopping, fatal_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if fatal.is_set():
+            await set_health(running, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await engine.wait_idle(0.5)  # the streams in flight are being told UNAVAILABLE
+            await asyncio.sleep(0.1)  # and gRPC writes those statuses out before the sockets close
+            # the loop thread's watchdog exits the process within FATAL_EXIT_AFTER_SECONDS: export now
+            await asyncio.to_thread(flush_traces, 0.5)
+            log.error("engine_exiting", exit_code=FATAL_EXIT_CODE)
+            exit_now(FATAL_EXIT_CODE)
+        fatal_wait.cancel()
+        return await drain(running, server_cfg.grace_seconds)
 
 
 async def drain(running: RunningServer, grace_seconds: float) -> int:
