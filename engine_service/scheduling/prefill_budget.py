@@ -79,9 +79,9 @@ SLICE_STALL_FACTOR 3 that is 1.5x at a full share, the step's sublayers being wh
   more than its share, in whole SLICE_BUCKETs (the runner pads the prompt's last chunk to one, and
   has oneDNN make those row counts' kernels at start-up: a new count cost 30-45 ms inside a step),
   at least MIN_SLICE_TOKENS and at most MAX_SLICE_TOKENS, and all the rest where no more than
-  MIN_SLICE_TOKENS would be left. As large as
-  that, not smaller: a later chunk's attention reads the earlier ones' keys under a mask (no
-  causal skip) and smaller chunks run their matmuls slower a token. Measured in one process
+  MIN_SLICE_TOKENS would be left. As large as that, not smaller: a later chunk's attention reads
+  the earlier ones' keys under a mask (no causal skip) and smaller chunks run their matmuls slower
+  a token. Measured in one process
   (SmolLM2, int4 decode, bfloat16 prefill, a decode step of 8 rows before each span of 4
   sublayers, Xeon 207 with AMX, medians of 5): a 2,048-token chunk 753 ms, chunks of 1,152 and
   896 tokens 954 ms, an idle prefill of 2,000 tokens 688 ms; the torch profiler without the
@@ -126,7 +126,7 @@ SMOOTHING = 0.3  # weight of the newest measurement in each moving average
 SLICE_STALL_FACTOR = 3.0  # a layer-sliced step's target, in decode steps (module docstring)
 SLICE_BUCKET = 128  # a sliced chunk's tokens: a whole number of these, or the prompt's rest (the runner pads it)
 MIN_SLICE_TOKENS = 512  # a prompt with no more to go prefills in plain chunks, and no sliced chunk is smaller
-MAX_SLICE_TOKENS = 4096  # no sliced chunk is larger but by a joined rest (the runner makes its row counts' kernels up to there)
+MAX_SLICE_TOKENS = 4096  # no sliced chunk is larger but by a joined rest (the runner warms its row counts up to there)
 SLICE_COST = 1.0  # a sliced step's sublayers, in idle prefill's cost of them, before one is timed
 MIN_SLICE_COST, MAX_SLICE_COST = 0.25, 4.0  # its learned value's bounds (idle prefills of short prompts cost more)
 
@@ -185,10 +185,9 @@ class PrefillBudget:
         MIN_SLICE_TOKENS to go (else None: plain chunks): as many as keep its heavier sublayer
         within a step's share, in whole SLICE_BUCKETs, at least MIN_SLICE_TOKENS and at most
         MAX_SLICE_TOKENS; or all of them where the rest would be no more than MIN_SLICE_TOKENS, too
-        few to slice. The larger the
-        chunk, the nearer its cost a token to an idle prefill's (no later chunk's attention over
-        the earlier ones' keys, no small matmuls); no larger, so that a step never needs more than
-        its share."""
+        few to slice. The larger the chunk, the nearer its cost a token to an idle prefill's (no
+        later chunk's attention over the earlier ones' keys, no small matmuls); no larger, so that
+        a step never needs more than its share."""
         share = self._slice_share(decoding)
         if share is None or remaining <= max(MIN_SLICE_TOKENS, self.tokens(decoding, position)):
             return None
