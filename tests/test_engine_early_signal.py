@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import signal
 import subprocess
 import sys
@@ -33,3 +34,21 @@ def test_a_stop_signal_before_the_event_loop_is_recorded_as_well_as_raised(monke
         early_stop.take(signal.SIGTERM, None)
     assert exit_info.value.code == 0
     assert early_stop.requested()  # what serve() asks once its loop's handlers are in place
+
+
+def test_a_stop_signal_during_an_import_is_recorded_not_raised_into_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    # raised into an import, the SystemExit came out of numpy's C extension as an ImportError (exit 1)
+    monkeypatch.setattr(early_stop, "_received", [])
+    (tmp_path / "signalled_while_imported.py").write_text(
+        "import signal, sys\n"
+        "from engine_service.transport import early_stop\n"
+        "early_stop.take(signal.SIGTERM, sys._getframe())\n"
+        "FINISHED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("signalled_while_imported")
+    assert module.FINISHED
+    assert early_stop.requested()
+    monkeypatch.delitem(sys.modules, "signalled_while_imported")
+    with pytest.raises(SystemExit):  # the same frame's caller, the import done: ended at once
+        early_stop.take(signal.SIGINT, sys._getframe())

@@ -166,7 +166,7 @@ async def _serve(engine_cfg: EngineConfig, slot: EngineSlot, server_cfg: ServerC
     fatal = asyncio.Event()
     for sig in early_stop.SIGNALS:
         loop.add_signal_handler(sig, stop_requested.set)
-    if early_stop.requested():  # one came before the loop's handlers, and its SystemExit was swallowed
+    if early_stop.requested():  # one came before the loop's handlers, recorded during an import or swallowed
         log.info("stop_signal_before_serving")
         stop_requested.set()
 
