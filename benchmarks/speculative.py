@@ -5,16 +5,17 @@ where it cannot help, measured in alternation.
 
 Two engines at once, the same flags but for `--speculative ngram --speculative-tokens K` on the
 second (by default the engine's defaults otherwise): each started once, and while one is measured
-the other waits idle, its decode loop asleep. Each round measures both, in the order plain, ngram
-on even rounds and ngram, plain on odd ones (ABBA), so the machine's drift (20-30% between runs on
-some of our machines) falls on both alike:
+the other waits idle, its decode loop asleep. Each round measures both at each point in turn, in
+the order plain, ngram on even rounds and ngram, plain on odd ones (ABBA), so the machine's drift
+(20-30% between runs on some of our machines, and up to 2x within minutes) falls on both alike,
+seconds apart:
 1. one stream: the model is asked (as a chat) to repeat a given passage of about 300 tokens
    exactly, greedy, 256 new tokens; output tok/s = tokens / (last token - request sent);
 2. 8 and 32 at once: 128 random token ids each, 64 new tokens, ignore_eos (nothing to look up
    but what random text repeats by chance): output tok/s over the whole point.
 Prints each round's figures, their ratios and the draft tokens the ngram engine accepted at each
-point, then per point the ratio of the two engines' mean tok/s over the rounds, with the range of
-the rounds' own ratios (targets: >= 1.8 at one stream, >= 0.95 at 8 and 32).
+point, then per point the ratio of the two engines' mean tok/s over the rounds, with the median
+and range of the rounds' own ratios (targets: >= 1.8 at one stream, >= 0.95 at 8 and 32).
 """
 
 from __future__ import annotations
@@ -92,15 +93,16 @@ async def warm_up(address: str) -> None:
         await at_once(stub, 8, seed=1)
 
 
-async def measure(address: str, new_tokens: int, seed: int) -> dict[str, float]:
-    """One round's points on one engine: its tok/s at each, and its draft tokens and accepted ones there."""
+async def measure(address: str, point: str, new_tokens: int, seed: int) -> dict[str, float]:
+    """One point on one engine: its tok/s, and its draft tokens and accepted ones."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
-        out: dict[str, float] = {}
-        out["one"], out["one_drafted"], out["one_accepted"] = await repeat_once(stub, new_tokens)
-        for n in (8, 32):
-            out[f"at{n}"], out[f"at{n}_drafted"], out[f"at{n}_accepted"] = await at_once(stub, n, seed=seed + n)
-        return out
+        if point == "one":
+            rate, drafted, accepted = await repeat_once(stub, new_tokens)
+        else:
+            n = int(point.removeprefix("at"))
+            rate, drafted, accepted = await at_once(stub, n, seed=seed + n)
+        return {"rate": rate, "drafted": drafted, "accepted": accepted}
 
 
 def main() -> None:
@@ -118,7 +120,7 @@ def main() -> None:
             *shlex.split(args.engine_args)]
     flags = {"plain": [], "ngram": ["--speculative", "ngram", "--speculative-tokens", args.tokens]}
     print(f"# CPU: {detect().describe()}")
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in flags}
+    results: dict[str, dict[str, list[dict[str, float]]]] = {name: {p: [] for p in POINTS} for name in flags}
     with ExitStack() as stack:
         # one after the other: the first start compiles the one-row step, the second finds it on disk
         address = {name: stack.enter_context(EngineProcess(*base, *extra, start_timeout=300)).address
@@ -127,21 +129,24 @@ def main() -> None:
             asyncio.run(warm_up(address[name]))
         for r in range(args.rounds):
             order = list(flags) if r % 2 == 0 else list(reversed(flags))
-            for name in order:  # the same prompts for both engines in a round, new ones each round
-                results[name].append(asyncio.run(measure(address[name], args.new_tokens, seed=100 * r)))
-            plain, spec = results["plain"][-1], results["ngram"][-1]
+            for point in POINTS:  # both engines point by point: the machine drifts less in seconds than in a round
+                for name in order:  # the same prompts for both engines in a round, new ones each round
+                    results[name][point].append(asyncio.run(measure(address[name], point, args.new_tokens,
+                                                                    seed=100 * r)))
             print(f"round {r + 1} ({', '.join(order)}): " + "; ".join(
-                f"{point} {plain[point]:.1f} -> {spec[point]:.1f} tok/s ({spec[point] / plain[point]:.2f}x)"
-                f", accepted {spec[point + '_accepted']:.0f} of {spec[point + '_drafted']:.0f} drafted" for point in POINTS), flush=True)
+                f"{point} {results['plain'][point][-1]['rate']:.1f} -> {results['ngram'][point][-1]['rate']:.1f} tok/s"
+                f" ({results['ngram'][point][-1]['rate'] / results['plain'][point][-1]['rate']:.2f}x), accepted "
+                f"{results['ngram'][point][-1]['accepted']:.0f} of {results['ngram'][point][-1]['drafted']:.0f} drafted"
+                for point in POINTS), flush=True)
     targets = {"one": 1.8, "at8": 0.95, "at32": 0.95}
     labels = {"one": "one stream", "at8": "8 at once", "at32": "32 at once"}
     for point in POINTS:
-        plain = statistics.fmean(r[point] for r in results["plain"])
-        spec = statistics.fmean(r[point] for r in results["ngram"])
-        ratios = [s[point] / p[point] for p, s in zip(results["plain"], results["ngram"], strict=True)]
+        plain = statistics.fmean(r["rate"] for r in results["plain"][point])
+        spec = statistics.fmean(r["rate"] for r in results["ngram"][point])
+        ratios = [s["rate"] / p["rate"] for p, s in zip(results["plain"][point], results["ngram"][point], strict=True)]
         print(f"{labels[point]:>10}, ngram / plain: {spec / plain:5.2f} of the means ({plain:.1f} -> {spec:.1f} tok/s), "
-              f"rounds {min(ratios):.2f}-{max(ratios):.2f}  (target >= {targets[point]})")
-
+              f"rounds' median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}  "
+              f"(target >= {targets[point]})")
 
 if __name__ == "__main__":
     main()
