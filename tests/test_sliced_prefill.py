@@ -400,8 +400,9 @@ def test_the_scheduler_plans_the_chunk_in_flight_first_and_alone_and_moves_its_r
     a.cache_len, long.cache_len, short.cache_len = 8, 16, 0  # long: a 16-token prefix reused
     sched.promote([a], lambda *args: None)
     slicer.asked.clear()
-    plan = sched.plan(start)
-    assert slicer.asked == [(1, 16, 84)]
+    prefilling: list[bool] = []  # what the speculator is told: a sliced chunk is a prompt chunk too
+    plan = sched.plan(start, lambda decoding, chunk: prefilling.append(chunk))  # type: ignore[func-returns-value]
+    assert slicer.asked == [(1, 16, 84)] and prefilling == [True]
     assert plan.sliced is not None and plan.prefills == (plan.sliced,)
     assert (plan.sliced.chunk, plan.sliced.sublayers) == (PromptChunk(1, 16, 64), SublayerSpan(0, 3, False))
     assert long.slice == PromptSlice(64)

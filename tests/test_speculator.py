@@ -203,6 +203,18 @@ def test_speculator_drafts_and_choose_directly() -> None:
         StepPlan.build([seq, Sequence(seq.request, sink=None)], [], [[4, 0, 1]])  # one draft per decoding row
 
 
+def test_greedy_rows_beside_a_prompt_chunk_decode_plainly_and_sampled_ones_still_draft() -> None:
+    speculator = Speculator(SpeculativeConfig(num_tokens=3, min_n=2, max_n=2), max_rows=2)
+    seq = Sequence(request("a", 0, 10), sink=None)
+    seq.generated = [2, 3]
+    assert speculator.drafts([seq], prefilling=True) is None
+    assert speculator.drafts([seq], prefilling=False) == [[4, 0, 1]]
+    sampled = Sequence(replace(seq.request, sampling=SamplingParams(temperature=0.8, seed=3)), sink=None)
+    sampled.generated = [2, 3]
+    # whether a step carries a chunk hangs on other requests' arrivals: a seeded row's draws must not
+    assert speculator.drafts([seq, sampled], prefilling=True) == [[4, 0, 1]] * 2
+
+
 def test_rows_whose_logits_are_processed_never_speculate() -> None:
     speculator = Speculator(SpeculativeConfig(num_tokens=3, min_n=2, max_n=2), max_rows=2)
     seq = Sequence(request("a", 0, 10), sink=None)
@@ -348,9 +360,34 @@ def test_the_loop_gives_a_verify_steps_time_and_tokens_to_the_speculator() -> No
     budget.observe(1, [], 0.004)
     loop.step()
     assert speculator.observed[1] == (1, 5, 0.004)
+    loop.step()
+    assert runner_drafts(loop)[-1] is not None and len(speculator.observed) == 3
     scheduler.submit(Sequence(request("b", 1, 20), sink=None))
-    loop.step()  # a verifies while b's prompt prefills: its time is not the verify's alone
-    assert runner_drafts(loop)[-1] is not None and len(speculator.observed) == 2
+    loop.step()  # b's prompt prefills: greedy "a" decodes plainly beside it
+    assert runner_drafts(loop)[-1] is None and len(speculator.observed) == 3
+
+
+def test_a_sampled_row_verifying_beside_a_prompt_chunk_teaches_the_speculator_nothing() -> None:
+    class SpySpeculator(Speculator):
+        def __init__(self) -> None:
+            super().__init__(SpeculativeConfig(num_tokens=4))
+            self.observed = 0
+
+        def observe(self, rows: int, tokens: int, seconds: float, plain_seconds: float | None) -> None:
+            self.observed += 1
+
+    speculator = SpySpeculator()
+    scheduler = Scheduler(max_batch=2, max_context=256, queue_capacity=4, queue_retry_seconds=0.5,
+                          prefill_token_budget=1024)
+    loop = DecodeLoop(SpeculatingRunner(), scheduler, FaultInjector(FaultPlan()), frozenset({15}),  # type: ignore[arg-type]
+                      lambda out: None, on_fatal=lambda exc: None, prefill_budget=PrefillBudget(None, 256),
+                      speculator=speculator)
+    sampled = request("a", 0, 20)  # sharp enough to sample the model's own text, whose lookup drafts
+    scheduler.submit(Sequence(replace(sampled, sampling=SamplingParams(temperature=0.05, seed=3)), sink=None))
+    loop.step()  # the prefill
+    scheduler.submit(Sequence(request("b", 1, 20), sink=None))
+    loop.step()  # "a" verifies while b's prompt prefills: its time is not the verify's alone
+    assert runner_drafts(loop)[-1] is not None and speculator.observed == 0
 
 
 def test_a_verify_step_logs_its_rows_tokens_time_and_the_payoffs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -35,7 +35,8 @@ IDLE_PREFILL_TOKENS = 2048
 
 MoveRow = Callable[[int, int, int], None]  # (src, dst, length): KVCache.move_row
 SwapRows = Callable[[int, int, int, int], None]  # (a, b, length_a, length_b): KVCache.swap_rows
-Drafts = Callable[[list[Sequence]], list[list[int]] | None]  # the decoding rows' drafts (runtime/speculator.py)
+# the decoding rows' drafts, given whether the step carries a prompt chunk (runtime/speculator.py)
+Drafts = Callable[[list[Sequence], bool], list[list[int]] | None]
 
 
 class Slicer(Protocol):
@@ -152,7 +153,8 @@ class Scheduler:
         advance `cache_len`)."""
         decoding = self._running[:self._decoding]
         chunks, sliced = self._chunks(start)
-        return StepPlan.build(decoding, chunks, drafts(decoding) if drafts is not None else None, sliced)
+        prefilling = bool(chunks) or sliced is not None
+        return StepPlan.build(decoding, chunks, drafts(decoding, prefilling) if drafts is not None else None, sliced)
 
     @property
     def prefill_position(self) -> int:
