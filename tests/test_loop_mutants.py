@@ -727,8 +727,10 @@ def periodic(seq: Sequence, position: int) -> torch.Tensor:
 def test_each_speculated_and_sampled_token_is_scored_by_its_own_row() -> None:
     h, runner = table_harness(periodic, speculator=Speculator(SpeculativeConfig(num_tokens=2)))
     pattern = (1, 2, 3) * 3
-    a, b = h.submit(req("a", prompt=pattern, max_new=6, top_logprobs=2),
-                    req("b", prompt=pattern[1:] + pattern[:1], max_new=6, top_logprobs=2))
+    # seeded sampled rows, sharp enough to take the argmax: greedy ones decode plainly beside a chunk
+    sharp = SamplingParams(temperature=0.01, seed=1)
+    a, b = h.submit(req("a", prompt=pattern, max_new=6, top_logprobs=2, sampling=sharp),
+                    req("b", prompt=pattern[1:] + pattern[:1], max_new=6, top_logprobs=2, sampling=sharp))
     emitted = {"a": 0, "b": 0, "c": 0}
     logprobs: dict[str, list[TokenLogprobs]] = {"a": [], "b": [], "c": []}
     while busy(h):

@@ -74,7 +74,7 @@ def test_the_scheduler_plans_decode_rows_first_and_prompts_in_admission_order_wi
     sched.promote([sched.rows[0]], lambda *rows: None)  # a decodes
     started: list[tuple[str, int]] = []
     plan = sched.plan(lambda s, row: started.append((s.request_id, row)),
-                      drafts=lambda decoding: [[5, 6]] if decoding else None)
+                      drafts=lambda decoding, prefilling: [[5, 6]] if decoding else None)
     assert [(e.seq.request_id, e.row, e.draft) for e in plan.decodes] == [("a", 0, (5, 6))]
     assert [(p.seq.request_id, p.chunk) for p in plan.prefills] == [("b", PromptChunk(1, 0, 8)),
                                                                       ("c", PromptChunk(2, 0, 2))]
