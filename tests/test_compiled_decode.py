@@ -23,13 +23,14 @@ from engine_service.runtime.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 MAX_BATCH, CONTEXT, STEPS = 4, 64, 12
+VERIFY = 7  # speculation's last token and a draft of 6: the largest verify step, compiled too
 
 
 def _runner(monkeypatch: pytest.MonkeyPatch, directory: Path, context: int = CONTEXT) -> ModelRunner:
     monkeypatch.setenv("ENGINE_COMPILE_CACHE", str(directory))
     model = load_model("tiny", CPU, torch.bfloat16).model
     return ModelRunner(model, MAX_BATCH, context, CPU, torch.bfloat16, "int4", trace_decode=True,
-                       compile_decode=True)
+                       compile_decode=True, verify_tokens=VERIFY)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def _greedy(runner: ModelRunner, step: object, prompt: list[int]) -> tuple[list[
 def test_compiled_one_row_steps_write_the_runners_cache_and_follow_the_trace(
         compiled: tuple[ModelRunner, Path]) -> None:
     runner, _ = compiled
-    assert runner.compiled_decode == "on" and isinstance(runner._decode, CompiledDecode)
+    assert runner.compiled_decode.startswith("on") and isinstance(runner._decode, CompiledDecode)
     prompt = [3, 17, 200, 41, 9, 88, 120]
     traced = _greedy(runner, runner._decode._fallback, prompt)
     ours = _greedy(runner, runner._decode, prompt)
@@ -86,14 +87,41 @@ def test_other_row_counts_and_the_contexts_last_position_go_to_the_trace(
 
 
 @pytest.mark.compile
+def test_the_compiled_verify_step_writes_the_runners_cache_and_follows_its_trace(
+        compiled: tuple[ModelRunner, Path]) -> None:
+    runner, _ = compiled
+    decode, traced = runner._decode, runner._verify_traced
+    assert isinstance(decode, CompiledDecode) and traced is not None
+    assert runner.compiled_decode == f"on, and the verify step of {VERIFY} tokens"
+    cache, prompt = runner.cache, [3, 17, 200, 41, 9, 88, 120]
+    tokens = torch.tensor([[121, 5, 77, 30, 12, 9, 64]])
+    positions = torch.arange(len(prompt), len(prompt) + VERIFY)[None, :]
+    out = {}
+    for name, step in (("traced", traced), ("compiled", decode.verify)):
+        cache.k.zero_()
+        cache.v.zero_()
+        runner.model.prefill(torch.tensor([prompt]), torch.tensor([len(prompt)]), cache, 0)
+        out[name] = step(tokens, positions), cache.k[:, 0].clone()  # type: ignore[operator]
+    assert out["compiled"][0].shape == (VERIFY, runner.model.config.vocab_size)
+    assert torch.equal(out["compiled"][0].argmax(-1), out["traced"][0].argmax(-1))
+    assert (out["compiled"][0] - out["traced"][0]).abs().max() < 0.05  # fused kernels: the last bits
+    assert out["compiled"][1][:, :, len(prompt):len(prompt) + VERIFY].abs().sum() > 0  # into the runner's cache
+    assert torch.allclose(out["compiled"][1], out["traced"][1], atol=0.02, rtol=0.02)
+    # another size, and a step that would reach the context's last position, go to the traces
+    assert decode.verify(tokens[:, :4], positions[:, :4]) is None
+    assert decode.verify(tokens, torch.arange(CONTEXT - VERIFY, CONTEXT)[None, :]) is None
+
+
+@pytest.mark.compile
 def test_the_library_is_kept_and_loaded_again_for_the_same_model_and_shape(
         compiled: tuple[ModelRunner, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     runner, directory = compiled
     with structlog.testing.capture_logs() as logs:
         again = _runner(monkeypatch, directory)
     loaded = [e for e in logs if e["event"] == "decode_compiled"]
-    assert len(loaded) == 1 and loaded[0]["compiled"] is False
+    assert [(e["tokens"], e["compiled"]) for e in loaded] == [(1, False), (VERIFY, False)]
     assert isinstance(again._decode, CompiledDecode) and again._decode.package == runner._decode.package
+    assert again._decode.verify_package == runner._decode.verify_package != runner._decode.package
     assert not [e for e in logs if e["event"] == "decode_compile_started"]
 
 

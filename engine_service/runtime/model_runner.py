@@ -96,6 +96,13 @@ class ModelRunner:
                 # the cache directory's: the traced step serves, slower, and engine_ready says so
                 log.warning("decode_compile_failed", error_type=type(err).__name__, error=str(err)[:2000])
                 self.compiled_decode = f"failed, the traced step serves: {type(err).__name__}"
+        if isinstance(self._decode, CompiledDecode) and self._verify_traced is not None:
+            try:  # the largest verify step compiled too; smaller ones, and where this fails, the traces
+                self._decode.add_verify(verify_tokens)
+                self.compiled_decode = f"on, and the verify step of {verify_tokens} tokens"
+            except (RuntimeError, OSError) as err:  # as the one-row step's
+                log.warning("decode_compile_failed", error_type=type(err).__name__, error=str(err)[:2000])
+                self.compiled_decode = f"on, but the verify step failed, its trace serves: {type(err).__name__}"
 
     def forward(self, plan: StepPlan) -> StepLogits:
         """The logits of `plan`'s step, laid out as its entries' `logits` slices say (step_plan.py):
@@ -220,8 +227,10 @@ class ModelRunner:
         if traced is None or size is None or start + size > self.cache.max_context:
             return None
         padded = fed + fed[-1:] * (size - len(fed))  # its keys and values land past the draft's, as rejected ones do
-        logits = traced(torch.tensor([padded], dtype=torch.long, device=self.device),
-                        torch.arange(start, start + size, device=self.device)[None, :])
+        tokens = torch.tensor([padded], dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + size, device=self.device)[None, :]
+        compiled = self._decode.verify(tokens, positions) if isinstance(self._decode, CompiledDecode) else None
+        logits = compiled if compiled is not None else traced(tokens, positions)
         return logits[:len(fed)]
 
     def _prompt_tokens(self, prefills: Seq[Prefill]) -> torch.Tensor:
