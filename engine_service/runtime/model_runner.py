@@ -84,21 +84,23 @@ class ModelRunner:
         self._sliced: tuple[Sequence, tuple[int, int], torch.Tensor] | None = None
         # what engine_ready says of the compiled step: on, off, or why it failed
         self.compiled_decode = "on" if compile_decode else "off"
+        self._compiled: CompiledDecode | None = None
         if compile_decode:
             try:
                 # the engine's int4 kernels' copies are no module's tensors, and the attention kernel no
                 # module at all, so the setting keys them apart
                 setting = {"quantize": quantize, **({"int4_kernel": int4_kernel} if int4_kernel != "torch" else {}),
                            **({"decode_attention": model.decode_attention} if model.decode_attention else {})}
-                self._decode = CompiledDecode(model, self.cache, self._decode, cache_dir(), setting)
+                self._compiled = CompiledDecode(model, self.cache, self._decode, cache_dir(), setting)
+                self._decode = self._compiled
             except (RuntimeError, OSError) as err:
                 # export's and the C++ compiler's failures (torch raises them as RuntimeError), or
                 # the cache directory's: the traced step serves, slower, and engine_ready says so
                 log.warning("decode_compile_failed", error_type=type(err).__name__, error=str(err)[:2000])
                 self.compiled_decode = f"failed, the traced step serves: {type(err).__name__}"
-        if isinstance(self._decode, CompiledDecode) and self._verify_traced is not None:
+        if self._compiled is not None and self._verify_traced is not None:
             try:  # the largest verify step compiled too; smaller ones, and where this fails, the traces
-                self._decode.add_verify(verify_tokens)
+                self._compiled.add_verify(verify_tokens)
                 self.compiled_decode = f"on, and the verify step of {verify_tokens} tokens"
             except (RuntimeError, OSError) as err:  # as the one-row step's
                 log.warning("decode_compile_failed", error_type=type(err).__name__, error=str(err)[:2000])
@@ -229,7 +231,7 @@ class ModelRunner:
         padded = fed + fed[-1:] * (size - len(fed))  # its keys and values land past the draft's, as rejected ones do
         tokens = torch.tensor([padded], dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + size, device=self.device)[None, :]
-        compiled = self._decode.verify(tokens, positions) if isinstance(self._decode, CompiledDecode) else None
+        compiled = self._compiled.verify(tokens, positions) if self._compiled is not None else None
         logits = compiled if compiled is not None else traced(tokens, positions)
         return logits[:len(fed)]
 
