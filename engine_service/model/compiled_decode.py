@@ -1,5 +1,6 @@
 """The one-row decode step compiled ahead of time by AOTInductor (`--compile-decode auto`, the
-default where machine/precision.choose_compiled_decode allows it).
+default where machine/precision.choose_compiled_decode allows it), and with `--speculative ngram`
+one row's largest verify step (`CompiledDecode.add_verify`), a second library of the same layers.
 
 A traced step (traced_decode.py) still runs SmolLM2's 1,500 small operators one by one, each with
 its dispatch; at one stream they are about half the step. AOTInductor compiles the layers of a

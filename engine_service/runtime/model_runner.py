@@ -221,9 +221,10 @@ class ModelRunner:
         return _split(logits, sum(len(f) for f in fed), prefills, echo)
 
     def _verify_traced_row(self, fed: list[int], start: int) -> torch.Tensor | None:
-        """Row 0's logits (len(fed), V) fed `fed` from position `start`, through a trace
-        (TracedVerify) with `fed` padded to its size; None where no trace serves: none made, more
-        tokens than the largest, or the padding would pass the context."""
+        """Row 0's logits (len(fed), V) fed `fed` from position `start`, padded to a trace's size
+        (TracedVerify), through the compiled verify library where it serves that size
+        (CompiledDecode.verify), else the trace; None where no trace serves: none made, more tokens
+        than the largest, or the padding would pass the context."""
         traced = self._verify_traced
         size = None if traced is None else traced.size(len(fed))
         if traced is None or size is None or start + size > self.cache.max_context:
