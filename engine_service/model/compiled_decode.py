@@ -117,8 +117,9 @@ class CompiledDecode:
         self._k = [cache.k[layer, :1] for layer in range(layers)]  # row 0's views: the inputs
         self._v = [cache.v[layer, :1] for layer in range(layers)]
         self._step, self.package = self._library("decode", 1, setting)
-        self.verify_tokens = 0
+        self.verify_tokens = 0  # and its library, once add_verify has made or loaded it
         self._verify: Callable[..., torch.Tensor] | None = None
+        self.verify_package: Path | None = None
 
     def add_verify(self, tokens: int) -> None:
         """Compile (or load) the library of one row's verify step of `tokens` tokens (speculation's
