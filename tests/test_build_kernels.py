@@ -1,4 +1,4 @@
-"""`python -m engine_service.model.build_kernels` (`make setup`'s last step): every kernel of the
+"""`python -m engine_service.runtime.build_kernels` (`make setup`'s last step): every kernel of the
 engine built into the compile cache, each named; one already there left alone; one the compiler
 cannot build named with its reason while the step still succeeds (the engine serves with torch's
 kernel in its place); no compiler, nothing to do. The real compile of every kernel is `make setup`'s
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from engine_service.machine.precision import find_cpp_compiler
-from engine_service.model import build_kernels, native_build
+from engine_service.model import native_build
+from engine_service.runtime import build_kernels
 
 
 def test_every_kernel_of_the_engine_is_built() -> None:

@@ -1,4 +1,4 @@
-"""`python -m engine_service.model.build_kernels`: build the engine's C++ kernels (the int4 kernels
+"""`python -m engine_service.runtime.build_kernels`: build the engine's C++ kernels (the int4 kernels
 of q4_matmul.py and decode attention's, decode_attention.py) into the compile cache now, as `make
 setup` does, rather than at the first engine start that needs each (about 10 s a kernel on 2
 cores, one compiler a core here). Each is compiled for its own instruction sets, whatever this CPU
