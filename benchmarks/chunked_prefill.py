@@ -15,7 +15,8 @@ the ratio, 1.45x to 4.0x over three runs of one setting):
 2. with 8 steady streams: 8 requests (64-token prompts, decoding long) run until each has 24
    tokens; their inter-token gaps over the next 2 s give the median TPOT before; then another
    2,000-token prompt arrives. Its TTFT, and the largest gap of any steady stream from its
-   arrival to its first token (plus 0.5 s), are recorded.
+   arrival to its first token (plus 0.5 s), are recorded; the streams are cancelled, and the
+   round waits until the engine runs none of them (so an "alone" prompt after it is alone).
 
 Prints, per budget and round, both ratios: largest gap / median TPOT before (target <= 4) and TTFT
 with the streams / TTFT alone in the same round (target <= 1.6); then their medians over the rounds,
@@ -91,7 +92,18 @@ async def with_streams(stub: engine_pb2_grpc.EngineServiceStub, seed: int) -> tu
     gaps = [b - a for s in stamps for a, b in zip(s, s[1:], strict=False) if b > arrival and a < until]
     stop.set()
     await asyncio.gather(*tasks)  # each stream cancelled its call and returned; an error here is real
+    await idle(stub)
     return statistics.median(before), max(gaps), long_ttft
+
+
+async def idle(stub: engine_pb2_grpc.EngineServiceStub) -> None:
+    """Wait until the engine runs no sequence: a cancelled stream leaves it at its next step, and an
+    "alone" prompt sent before that would be sliced beside it for a step (a TTFT alone that is not)."""
+    deadline = time.perf_counter() + 10
+    while (await stub.GetLoad(pb.GetLoadRequest(), timeout=5)).running_sequences:
+        if time.perf_counter() > deadline:
+            raise RuntimeError("the engine still runs sequences 10 s after every stream was cancelled")
+        await asyncio.sleep(0.01)
 
 
 async def measure(address: str, seed: int, rounds: int) -> list[tuple[float, float, float, float]]:
