@@ -19,8 +19,8 @@ positions (a write into a view of the whole cache is functionalized into a copy 
 step took 1.2 s; a Python custom op declaring the mutation, the first way out, is a call from the
 library back into Python at each of the step's 60 writes). Row 0 alone, so one library serves
 every --max-batch. Compiling takes a minute or two on 2 cores, so the library is kept in a cache
-directory (`cache_dir`) and later starts load it in seconds; nothing there is removed (a library
-left by other code or another model stays until deleted). Its logits are not bit-identical to the
+directory (`cache_dir`) and later starts load it in seconds; a library no engine has loaded for
+30 days is removed when another is compiled (compile_cache.py). Its logits are not bit-identical to the
 trace's (fused kernels round in another order); `--compile-decode off` is the trace alone.
 """
 
@@ -37,6 +37,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from engine_service.model import compile_cache
 from engine_service.model.kv_cache import KVCache, decode_mask, rows_mask
 from engine_service.model.llama import LlamaForCausalLM
 
@@ -136,11 +137,13 @@ class CompiledDecode:
         compiled_now = not package.exists()
         if compiled_now:
             self._compile(package, tokens)
+            compile_cache.prune(self._directory)  # libraries no engine has loaded for a month
         try:
             step = torch._inductor.aoti_load_package(str(package))
         except RuntimeError as err:  # a library left by another torch build, or damaged on disk
             raise RuntimeError(f"loading the compiled {name} step {package}: {err}; delete the file to "
                                "compile it again") from err
+        compile_cache.touch(package)
         log.info("decode_compiled", package=str(package), tokens=tokens, compiled=compiled_now,
                  seconds=round(time.monotonic() - started, 1))
         return step, package
