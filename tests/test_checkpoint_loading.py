@@ -144,3 +144,19 @@ def test_without_tokenizer_json_falls_back_to_bytes_and_logs_it(tmp_path: Path) 
     assert loaded.tokenizer.kind == "byte"
     fallback = [e for e in events if e["event"] == "tokenizer_fallback"]
     assert fallback and fallback[0]["log_level"] == "warning" and fallback[0]["directory"] == str(directory)
+
+
+def test_building_a_model_to_load_imports_no_compiler() -> None:
+    # the checkpoint readers build the model on the meta device; nn.Embedding's own init there went
+    # through torch._refs and imported torch._dynamo: 1.5-2 s of every engine's start (Xeon 207)
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from engine_service.model.llama import LlamaForCausalLM\n"
+            "from engine_service.model.presets import PRESETS\n"
+            "with torch.device('meta'):\n"
+            "    LlamaForCausalLM(PRESETS['tiny'])\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

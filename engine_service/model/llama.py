@@ -263,7 +263,11 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # its table left uninitialised (every loader assigns it, init_random fills it): nn.Embedding's
+        # own normal_ init, on the meta device the checkpoint readers build on, goes through
+        # torch._refs and imports torch._dynamo, 1.5-2 s of an engine's start where nothing else does
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
