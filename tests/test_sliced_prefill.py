@@ -21,6 +21,7 @@ from engine_service.runtime.delta import Delta
 from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import ModelRunner
 from engine_service.scheduling.prefill_budget import (
+    MAX_COMPLETION,
     MAX_SLICE_TOKENS,
     MIN_SLICE_TOKENS,
     SLICE_BUCKET,
@@ -195,8 +196,10 @@ def test_the_loop_tells_the_budget_each_sliced_steps_span_and_time_and_logs_it(m
     assert level == "debug" and {k: first[k] for k in ("decoding", "tokens", "position", "sublayers", "ms")} == {
         "decoding": 1, "tokens": 64, "position": 0, "sublayers": [0, 4], "ms": 12.3}
     # each sliced step took no longer than a decode step: its sublayers cost nothing, held at the least
-    # 1 + 0.3 x (0.25 - 1), ..., shown to three places
-    assert [f["slice_cost"] for _, f in events] == pytest.approx([0.775, 0.6175, 0.50725], abs=6e-4)
+    # 1 + 0.3 x (0.25 - 1), ..., shown to three places; the completing step's time (sublayers 8..10,
+    # the LM head, the first token) teaches the completion instead, here none beyond its sublayers
+    assert [f["slice_cost"] for _, f in events] == pytest.approx([0.775, 0.6175, 0.6175], abs=6e-4)
+    assert [f["completion_per_1k"] for _, f in events] == [None, None, 0.0]
     assert events[-1][1]["decode_ms"] == {1: 12.34} and set(events[-1][1]) == {
         "decoding", "tokens", "position", "sublayers", "ms", *budget.describe()}  # the estimates of the time
 
@@ -314,6 +317,35 @@ def test_a_sliced_steps_time_teaches_the_slice_cost() -> None:
     unmeasured.observe_slice(8, chunk, 0, 1, 10.0)
     assert unmeasured.describe()["slice_cost"] == 1.0, "nothing to count the step against yet"
     assert "slice_cost" not in PrefillBudget(None, 4096).describe(), "no slicing, no slice cost"
+
+
+def test_the_completing_steps_time_teaches_the_completion_and_its_span_leaves_room_for_it() -> None:
+    budget = measured()  # a share of 125 idle tokens; 400 tokens: 6.67 a sublayer, 0.0005 s each
+    chunk = PromptChunk(9, 0, 400)
+    assert budget.slice_stop(8, chunk, 45) == 60 and budget.describe()["completion_per_1k"] is None
+    # the step that ran sublayers 58 and 59 took them (2 x 6.67 x 0.0005 s) and half a decode step
+    # more (the LM head, the prefix cache's copy, the first token): 0.5 / 400 decode steps a token
+    budget.observe_slice(8, chunk, 58, 60, 0.03125 + 2 * 400 / 60 * 0.0005 + 0.03125 / 2)
+    assert budget.describe()["completion_per_1k"] == 1.25
+    assert budget.describe()["slice_cost"] == 1.0, "not the sublayers' rate: that step is no measure of it"
+    # its weight, 0.00125 x 400 x 0.03125 / 0.0005 = 31.25, comes out of the completing span: 15
+    # sublayers (100) would pass the share with it, 14 (93.3) do not
+    assert budget.slice_stop(8, chunk, 45) == 59
+    assert budget.slice_stop(8, chunk, 50) == 60, "10 sublayers (66.7) and the completion fit"
+    assert budget.slice_stop(8, chunk, 41) == 59, "a span that does not complete the prompt: as before"
+    # 800 tokens: 13.3 a sublayer and a completion of 62.5: from 52, 4 sublayers and it fit, 8 would not
+    assert budget.slice_stop(8, PromptChunk(9, 0, 800), 52) == 56, "the completion counts the prompt's tokens"
+    budget.observe_slice(8, chunk, 58, 60, 0.0)  # quicker than its decode step: no completion, averaged
+    assert budget.describe()["completion_per_1k"] == 0.875  # 1.25 - 0.3 x 1.25
+    budget.observe_slice(8, chunk, 58, 60, 0.0)
+    shown = budget.describe()["completion_per_1k"]
+    assert shown == pytest.approx(0.6125, abs=1e-3) and shown != 0.6125, "shown to three places"
+    for _ in range(40):  # dearer than anything plausible: held at MAX_COMPLETION
+        budget.observe_slice(8, chunk, 59, 60, 100.0)
+    assert budget.describe()["completion_per_1k"] == pytest.approx(MAX_COMPLETION * 1000)
+    assert budget.slice_stop(8, chunk, 50) == 51, "the completion alone passes the share: one sublayer a step"
+    assert budget.slice_stop(8, chunk, 59) == 60, "and the last, with it, at least one"
+    assert budget.slice_stop(0, chunk, 50) == 60, "no row decoding: every sublayer left at once"
 
 
 def test_a_machine_that_slows_as_a_whole_keeps_a_steps_span() -> None:
@@ -471,6 +503,15 @@ def test_a_sliced_steps_cost_weighs_its_attention_at_the_chunks_mean_position() 
     for _ in range(60):  # twice idle prefill's cost of those two sublayers
         budget.observe_slice(8, chunk, 4, 6, 0.03125 + 2 * (attention + mlp) * 0.0005)
     assert budget.describe()["slice_cost"] == 2.0
+
+
+def test_a_completing_span_that_fills_the_share_exactly_with_its_completion_runs_whole() -> None:
+    budget = exact()  # 1,024 tokens: 16 a sublayer (2^-7 s), a share of 128
+    chunk = PromptChunk(9, 0, 1024)
+    # a completion of one decode step for 1,024 tokens: 2^-5 s, a weight of 64
+    budget.observe_slice(8, chunk, 63, 64, 2**-5 + 2**-7 + 2**-5)
+    assert budget.slice_stop(8, chunk, 60) == 64  # 4 sublayers (64) and the completion (64): 128
+    assert budget.slice_stop(8, chunk, 59) == 63
 
 
 def test_the_slice_cost_is_a_moving_average_shown_to_three_places() -> None:

@@ -87,6 +87,12 @@ SLICE_STALL_FACTOR 3 that is 1.5x at a full share, the step's sublayers being wh
   896 tokens 954 ms, an idle prefill of 2,000 tokens 688 ms; the torch profiler without the
   decode steps: attention 361 against 435 ms, linears 267 against 343 ms. Chunks sized for 4
   sublayers a step, before, were 1,152 and 848 tokens there;
+- the step that completes the prompt also runs the LM head, copies the prompt's blocks into the
+  prefix cache (10-23 ms for 2,000 tokens) and samples the first token: that step's time beyond its
+  sublayers is learned as the completion (decode steps a prompt token, `observe_slice`), not as
+  the sublayers' rate, and its span leaves room for it (`slice_stop`). Before, the completing step
+  was every prompt's largest, 3.5-3.6 decode steps against 2.4-3.0 (the streams' largest gap), and
+  its time taught the next prompt's first spans a rate too high (1 sublayer a step);
 - no slicing with a fixed budget (`--max-prefill-tokens N` chunks by N tokens), with no decoding
   row (nobody waits: the whole prompt runs at once), for a prompt whose log-probabilities are
   echoed, or before a decode-only step and an idle prefill have been timed.
@@ -128,6 +134,7 @@ SLICE_BUCKET = 128  # a sliced chunk's tokens: a whole number of these, or the p
 MIN_SLICE_TOKENS = 512  # a prompt with no more to go prefills in plain chunks, and no sliced chunk is smaller
 MAX_SLICE_TOKENS = 4096  # no sliced chunk is larger but by a joined rest (the runner warms its row counts up to there)
 SLICE_COST = 1.0  # a sliced step's sublayers, in idle prefill's cost of them, before one is timed
+MAX_COMPLETION = 0.01  # a sliced prompt's completion, in decode steps a prompt token: its learned value's bound
 MIN_SLICE_COST, MAX_SLICE_COST = 0.25, 4.0  # its learned value's bounds (idle prefills of short prompts cost more)
 
 
@@ -163,6 +170,9 @@ class PrefillBudget:
         # beside the rows it was learned beside (observe_slice), and those rows; None until one is timed
         self._slice_rate: tuple[float, int] | None = None
         self._slice_cost = SLICE_COST  # the same in idle prefill's cost of them, as of the last one (for logs)
+        # what the step that completes a sliced prompt takes beyond its sublayers (the LM head, the
+        # prefix cache's copy of the prompt's blocks, the first token), in decode steps a prompt token
+        self._completion: float | None = None  # None until a completing step is timed: none counted
         self._decode: dict[int, float] = {}  # decoding rows -> seconds of a decode-only step
         self._token_idle: float | None = None  # seconds per prompt token at position 0, nothing decoding
         self._chunk_cost: dict[int, float] = {}  # decoding rows -> a prompt token beside them, in idle ones
@@ -213,7 +223,21 @@ class PrefillBudget:
         while stop < self.sublayers and used + self._sublayer_weight(chunk.start, chunk.length, stop) <= share:
             used += self._sublayer_weight(chunk.start, chunk.length, stop)
             stop += 1
+        if stop == self.sublayers and self._completion is not None:  # the completing step pays its completion too
+            completion = self._completion_weight(decoding, chunk, self._completion)
+            while stop > first + 1 and used + completion > share:
+                stop -= 1
+                used -= self._sublayer_weight(chunk.start, chunk.length, stop)
         return stop
+
+    def _completion_weight(self, decoding: int, chunk: PromptChunk, completion: float) -> float:
+        """The completion (`completion` decode steps a prompt token) of a prompt whose last chunk is
+        `chunk`, beside `decoding` rows, in the share's units (idle prefill's tokens at position 0
+        through every layer)."""
+        basis = self._slice_basis(decoding)
+        assert basis is not None  # a share was found, so was its basis
+        decode, token_idle = basis
+        return completion * (chunk.start + chunk.length) * decode / self._weight_seconds(token_idle)
 
     def _sublayer_weight(self, start: int, length: int, sublayer: int) -> float:
         """A chunk of `length` tokens from `start` through one sublayer, in idle prefill's tokens at
@@ -297,6 +321,11 @@ class PrefillBudget:
             return  # another slicer's chunk (a test's), or nothing to count this step's cost against
         decode, token_idle = basis
         weight = sum(self._sublayer_weight(chunk.start, chunk.length, s) for s in range(first, stop))
+        if stop == self.sublayers:  # the completing step: its time beyond the sublayers is the completion's
+            beyond = (seconds - decode - weight * self._weight_seconds(token_idle)) / decode
+            completion = min(MAX_COMPLETION, max(0.0, beyond / (chunk.start + chunk.length)))
+            self._completion = _average(self._completion, completion)
+            return
         idle = token_idle / decode  # an idle prefill's rate
         rate = (seconds - decode) / (weight * decode)
         learned = _average(self._weight_seconds(token_idle) / decode,
@@ -319,7 +348,9 @@ class PrefillBudget:
     def describe(self) -> dict[str, object]:
         """The estimates, for logs."""
         return {"fixed": self.fixed, "parity": None if math.isinf(self.parity) else self.parity,
-                **({"slice_cost": round(self._slice_cost, 3)} if self.sublayers else {}),
+                **({"slice_cost": round(self._slice_cost, 3),
+                    "completion_per_1k": None if self._completion is None else round(self._completion * 1000, 3)}
+                   if self.sublayers else {}),
                 "token_ms_idle": _ms(self._token_idle),
                 "chunk_cost": {rows: round(c, 3) for rows, c in sorted(self._chunk_cost.items())},
                 "decode_ms": {rows: _ms(s) for rows, s in sorted(self._decode.items())}}
