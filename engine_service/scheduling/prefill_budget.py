@@ -91,8 +91,9 @@ SLICE_STALL_FACTOR 3 that is 1.5x at a full share, the step's sublayers being wh
   prefix cache (10-23 ms for 2,000 tokens) and samples the first token: that step's time beyond its
   sublayers is learned as the completion (decode steps a prompt token, `observe_slice`), not as
   the sublayers' rate, and its span leaves room for it (`slice_stop`). Before, the completing step
-  was every prompt's largest, 3.5-3.6 decode steps against 2.4-3.0 (the streams' largest gap), and
-  its time taught the next prompt's first spans a rate too high (1 sublayer a step);
+  was the largest of two prompts in four, 3.47 and 3.57 decode steps against 2.4-3.0 (the streams'
+  largest gap), and its time taught the next prompt's first spans a rate too high (1 sublayer a
+  step where 2 fit);
 - no slicing with a fixed budget (`--max-prefill-tokens N` chunks by N tokens), with no decoding
   row (nobody waits: the whole prompt runs at once), for a prompt whose log-probabilities are
   echoed, or before a decode-only step and an idle prefill have been timed.
