@@ -32,8 +32,8 @@ def build(compiler: str, cache: Path, kernel: Kernel) -> str:
     try:
         native_build.compile_library(compiler, target, kernel)
     except (RuntimeError, OSError) as err:
-        # the compiler's failure or the cache directory's: the engine serves with torch's kernel in
-        # this one's place (and builds nothing at start-up that fails here, it tries and says why)
+        # the compiler's failure or the cache directory's: an engine that would run this kernel tries
+        # the build again at its start-up, says why it failed, and serves with torch's in its place
         return f"{kernel.name}: not built, the engine will use torch's in its place: {err}"
     return f"{kernel.name}: built in {time.monotonic() - started:.1f} s ({target})"
 
