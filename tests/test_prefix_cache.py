@@ -24,7 +24,7 @@ from engine_service.requests import Request, SamplingParams
 from engine_service.runtime.delta import Delta
 from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import ModelRunner
-from engine_service.scheduling.prefix_cache import BLOCK_TOKENS, PrefixCache
+from engine_service.scheduling.prefix_cache import BLOCK_TOKENS, PrefixCache, _runs
 from engine_service.scheduling.scheduler import Scheduler
 from engine_service.scheduling.sequence import Sequence
 from tests.engines import ROOT
@@ -161,6 +161,28 @@ def test_a_chain_longer_than_the_store_keeps_its_head_and_never_evicts_itself(ca
     store.offer(prompt, cache, 0, 80)
     assert store.stats().used_tokens == 32
     assert store.reuse(prompt, cache, 1) == 32  # its first two blocks, not a broken chain
+
+
+def test_a_chain_in_scattered_slots_is_copied_back_to_its_positions(cache):
+    store = PrefixCache(6 * BLOCK_TOKENS)
+    store.offer(ids(16, 32), cache, 0, 32)  # slots 0, 1
+    store.offer(ids(17, 48), cache, 0, 48)  # slots 2, 3, 4
+    store.reuse(ids(16, 32) + (1,), cache, 1)  # the first chain is the more recent: the second's leaves go first
+    cache.k[:, 0].normal_()
+    cache.v[:, 0].normal_()
+    prompt = ids(18, 64)
+    store.offer(prompt, cache, 0, 64)  # slot 5, then 4, 3, 2 evicted and taken in that order
+    assert [b.slot for b in store._walk(prompt, 4)] == [5, 4, 3, 2]
+    assert store.reuse(prompt + (1,), cache, 1) == 64
+    assert torch.equal(cache.k[:, 1, :, :64], cache.k[:, 0, :, :64])
+    assert torch.equal(cache.v[:, 1, :, :64], cache.v[:, 0, :, :64])
+
+
+def test_slots_are_copied_in_runs_of_consecutive_ones():
+    assert _runs([]) == []
+    assert _runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
+    assert _runs([5, 4]) == [(0, 5, 1), (1, 4, 1)], "descending slots are runs of one"
+    assert _runs([7]) == [(0, 7, 1)]
 
 
 def test_memory_is_bounded_by_the_capacity_whatever_is_offered(cache):

@@ -90,13 +90,14 @@ class PrefixCache:
         self._hits += len(chain) * BLOCK_TOKENS
         k, v = self._k, self._v
         assert k is not None and v is not None  # a block exists, so the store was allocated
-        slots = torch.tensor([b.slot for b in chain], device=k.device)
         layers, _, heads, _, dim = cache.k.shape
-        length = len(chain) * BLOCK_TOKENS
-        for store, target in ((k, cache.k), (v, cache.v)):  # (n, layers, KV, B, D) -> (layers, KV, n*B, D)
-            target[:, row, :, :length] = store[slots].permute(1, 2, 0, 3, 4).reshape(layers, heads, length, dim)
+        for at, slot, count in _runs([b.slot for b in chain]):
+            span = slice(at * BLOCK_TOKENS, (at + count) * BLOCK_TOKENS)
+            for store, target in ((k, cache.k), (v, cache.v)):  # (n, layers, KV, B, D) -> (layers, KV, n*B, D)
+                target[:, row, :, span].view(layers, heads, count, BLOCK_TOKENS, dim).copy_(
+                    store[slot:slot + count].permute(1, 2, 0, 3, 4))
         self._touch(chain)
-        return length
+        return len(chain) * BLOCK_TOKENS
 
     def offer(self, tokens: Sequence[int], cache: KVCache, row: int, length: int) -> None:
         """Store the full blocks of `tokens[:length]`, whose keys and values are in `row` of
@@ -166,9 +167,27 @@ class PrefixCache:
             shape = (self.capacity_blocks, layers, heads, BLOCK_TOKENS, dim)
             self._k = torch.empty(shape, dtype=cache.k.dtype, device=cache.k.device)
             self._v = torch.empty(shape, dtype=cache.v.dtype, device=cache.v.device)
-        n = len(blocks)
-        slots = torch.tensor([b.slot for b in blocks], device=cache.k.device)
-        for store, source in ((self._k, cache.k), (self._v, cache.v)):
-            part = source[:, row, :, start:start + n * BLOCK_TOKENS].reshape(layers, heads, n, BLOCK_TOKENS, dim)
-            store[slots] = part.permute(2, 0, 1, 3, 4)  # type: ignore[index]
+        for at, slot, count in _runs([b.slot for b in blocks]):
+            first = start + at * BLOCK_TOKENS
+            for store, source in ((self._k, cache.k), (self._v, cache.v)):
+                part = source[:, row, :, first:first + count * BLOCK_TOKENS]
+                store[slot:slot + count].copy_(  # type: ignore[index]
+                    part.reshape(layers, heads, count, BLOCK_TOKENS, dim).permute(2, 0, 1, 3, 4))
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """`slots` as runs of consecutive ascending ones: (index of the run's first in `slots`, its slot,
+    its length). A run is one strided copy. Indexing the store by a tensor of slots instead (torch's
+    index and index_put) took, for a 2,000-token prompt's blocks of SmolLM2 (46 MB), 28-33 ms to
+    reuse and 6 ms to store, against 4.5 and 4 ms in runs, and 5.7 ms to store with every slot a
+    run of its own (AMD EPYC of the Zen 4 class, 2 threads; a store into slots never written before
+    takes 13-17 ms either way, the pages' first touch)."""
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            at, first, count = runs[-1]
+            runs[-1] = (at, first, count + 1)
+        else:
+            runs.append((i, slot, 1))
+    return runs
 
