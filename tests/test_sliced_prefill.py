@@ -73,26 +73,70 @@ def test_spans_of_sublayers_give_the_bits_of_the_chunk_in_one_pass(spans: list[t
     assert torch.equal(got_cache.v[:, 1, :, :65], want_cache.v[:, 1, :, :65])
 
 
+@pytest.mark.parametrize("cuts", [
+    [(0, 0), (0, 9), (2, 20), (3, 1), (7, 0), (9, 24), (10, 0)],  # parts of attentions and MLPs, a row alone
+    [(0, 0), (0, 8), (0, 16), (1, 0), (1, 8), (1, 16), (10, 0)],  # a sublayer in three parts
+])
+def test_spans_with_parts_of_sublayers_rows_give_the_chunk_of_whole_sublayers(cuts: list[tuple[int, int]]) -> None:
+    prompt = ids(1, 65)
+    long = seq("long", 65)
+    long.request = replace(long.request, prompt_ids=prompt)
+    out = []
+    for spans in ([(0, 0), (10, 0)], cuts):
+        runner = ModelRunner(model(), MAX_BATCH, MAX_CONTEXT, CPU, torch.float32)
+        runner.forward(StepPlan.build([], [(long, PromptChunk(1, 0, 40))]))  # the row's first 40 positions
+        chunk = PromptChunk(1, 40, 25)  # at depth: its attention reads the cached positions too
+        for (first, first_row), (stop, stop_row) in zip(spans, spans[1:], strict=False):
+            span = SublayerSpan(first, stop, stop == 2 * LAYERS, first_row, stop_row)
+            logits = runner.forward(StepPlan.build([], [], sliced=(long, chunk, span))).sampled
+        out.append((logits, runner.cache))
+    # the same sums, but matmuls over other row counts: float32's rounding, not the same bits
+    (want, want_cache), (got, got_cache) = out
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_cache.k[:, 1, :, :65], want_cache.k[:, 1, :, :65], rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_cache.v[:, 1, :, :65], want_cache.v[:, 1, :, :65], rtol=0, atol=1e-6)
+    assert got_cache.k[:, 1, :, 40:65].abs().amin(dim=-1).gt(0).all(), "every layer's keys of the chunk written"
+
+
+def test_a_span_is_its_whole_sublayers_in_one_run_and_each_part_alone() -> None:
+    assert SublayerSpan(2, 6, False).pieces(64) == [(range(2, 6), 0, 64)]
+    assert SublayerSpan(2, 6, False, 8, 16).pieces(64) == [(range(2, 3), 8, 64), (range(3, 6), 0, 64),
+                                                            (range(6, 7), 0, 16)]
+    assert SublayerSpan(2, 2, False, 8, 16).pieces(64) == [(range(2, 3), 8, 16)]
+    assert SublayerSpan(2, 3, False, 8).pieces(64) == [(range(2, 3), 8, 64)]
+    assert SublayerSpan(2, 4, False, 0, 1).pieces(64) == [(range(2, 4), 0, 64), (range(4, 5), 0, 1)]
+    assert SublayerSpan(2, 3, False, 63, 5).pieces(64) == [(range(2, 3), 63, 64), (range(3, 4), 0, 5)]
+    assert SublayerSpan(2, 6, False).resume == (6, 0) and SublayerSpan(2, 6, False, 8, 16).resume == (6, 16)
+
+
 # -- the loop: the same greedy tokens -------------------------------------------------------------
 
 class EverySlice:
     """A slicer (scheduler.Slicer) that slices every prompt longer than `over` beside decoding rows
-    into chunks of at most `tokens`, `step` sublayers a step: fixed sizes, so a test knows the steps."""
+    into chunks of at most `tokens`, `step` sublayers and `rows` rows a step (a step's span ends
+    `step` sublayers and `rows` rows of the chunk on from where it starts): fixed sizes, so a test
+    knows the steps."""
 
-    def __init__(self, over: int, tokens: int, step: int, idle_too: bool = False) -> None:
-        self.sublayers, self._over, self._tokens, self._step = 2 * LAYERS, over, tokens, step
+    def __init__(self, over: int, tokens: int, step: int, idle_too: bool = False, rows: int = 0) -> None:
+        self.sublayers, self._over, self._tokens, self._step, self._rows = 2 * LAYERS, over, tokens, step, rows
         self._idle_too = idle_too  # keep to `step` sublayers a step when no row decodes too
         self.spans: list[tuple[int, int, int, int]] = []  # (start, length, first, stop) as planned
+        self.parts: list[tuple[int, int, int, int]] = []  # (first, first row, stop, stop row) as planned
         self.asked: list[tuple[int, int, int]] = []  # slice_tokens' (decoding, position, remaining)
 
     def slice_tokens(self, decoding: int, position: int, remaining: int) -> int | None:
         self.asked.append((decoding, position, remaining))
         return min(remaining, self._tokens) if decoding and remaining > self._over else None
 
-    def slice_stop(self, decoding: int, chunk: PromptChunk, first: int) -> int:
-        stop = min(self.sublayers, first + self._step) if decoding or self._idle_too else self.sublayers
+    def slice_stop(self, decoding: int, chunk: PromptChunk, first: int, first_row: int = 0) -> tuple[int, int]:
+        if decoding or self._idle_too:
+            at = (first + self._step) * chunk.length + first_row + self._rows
+            stop, stop_row = divmod(min(at, self.sublayers * chunk.length), chunk.length)
+        else:
+            stop, stop_row = self.sublayers, 0
         self.spans.append((chunk.start, chunk.length, first, stop))
-        return stop
+        self.parts.append((first, first_row, stop, stop_row))
+        return stop, stop_row
 
 
 def run(plan: list[tuple[int, str, tuple[int, ...], int]], slicer: EverySlice | None, budget: int = 4096,
@@ -148,6 +192,13 @@ def test_sliced_prefill_gives_the_tokens_of_whole_prompt_prefill_while_rows_fini
     assert [s for s in slicer.spans if s[:2] == (0, 64)] == [(0, 64, 0, 3), (0, 64, 3, 6), (0, 64, 6, 9), (0, 64, 9, 10)]
 
 
+def test_parts_of_sublayers_rows_give_the_tokens_of_whole_prompt_prefill() -> None:
+    want = run(TRAFFIC, None)
+    slicer = EverySlice(over=32, tokens=64, step=1, rows=40)
+    assert run(TRAFFIC, slicer) == want
+    assert (0, 0, 1, 40) in slicer.parts and (1, 40, 3, 16) in slicer.parts, "spans that end and begin in a sublayer"
+
+
 def test_a_chunk_cancelled_in_flight_leaves_the_others_untouched() -> None:
     plan = [p for p in TRAFFIC if p[1] != "second-long"]
     want = run(plan, None)
@@ -173,9 +224,9 @@ class RecordingBudget(PrefillBudget):
         super().__init__(None, 4096, sublayers=2 * LAYERS)
         self.sliced: list[tuple[int, PromptChunk, int, int, float]] = []
 
-    def observe_slice(self, decoding: int, chunk: PromptChunk, first: int, stop: int, seconds: float) -> None:
-        self.sliced.append((decoding, chunk, first, stop, seconds))
-        super().observe_slice(decoding, chunk, first, stop, seconds)
+    def observe_slice(self, decoding: int, chunk: PromptChunk, span: SublayerSpan, seconds: float) -> None:
+        self.sliced.append((decoding, chunk, span.first, span.stop, seconds))
+        super().observe_slice(decoding, chunk, span, seconds)
 
 
 def test_the_loop_tells_the_budget_each_sliced_steps_span_and_time_and_logs_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,8 +251,9 @@ def test_the_loop_tells_the_budget_each_sliced_steps_span_and_time_and_logs_it(m
     # the LM head, the first token) teaches the completion instead, here none beyond its sublayers
     assert [f["slice_cost"] for _, f in events] == pytest.approx([0.775, 0.6175, 0.6175], abs=6e-4)
     assert [f["completion_per_1k"] for _, f in events] == [None, None, 0.0]
+    assert [f["rows"] for _, f in events] == [[0, 0]] * 3
     assert events[-1][1]["decode_ms"] == {1: 12.34} and set(events[-1][1]) == {
-        "decoding", "tokens", "position", "sublayers", "ms", *budget.describe()}  # the estimates of the time
+        "decoding", "tokens", "position", "sublayers", "rows", "ms", *budget.describe()}  # the estimates of the time
 
 
 def test_budget_chunks_and_slicing_change_no_token_together() -> None:
@@ -222,23 +274,16 @@ def measured(sublayers: int = 60, decode: float = 0.03125, token_idle: float = 0
 SHARE = (SLICE_STALL_FACTOR - 1) * 0.03125 / 0.0005  # 125 idle tokens through every layer a step, beside 8 rows
 
 
-def test_a_slice_is_as_many_tokens_as_keep_its_heavier_sublayer_within_a_steps_share() -> None:
-    budget = measured(decode=0.005)  # attention_share 0.5, parity inf: a sublayer of T tokens weighs T / 60
-    # T / 60 <= 20 idle tokens (the share): T <= 1,200, floored to whole buckets (1,152), or all of
-    # the prompt where it is no more, or where no more than MIN_SLICE_TOKENS would be left
+def test_a_slice_is_the_prompt_up_to_the_largest_chunk_and_a_rest_too_short_to_slice_joins_it() -> None:
+    budget = measured(decode=0.005)  # a share of 20 idle tokens: a step runs a part of a sublayer's rows
     assert SLICE_BUCKET == 128 and MIN_SLICE_TOKENS == 512
-    assert budget.slice_tokens(8, 0, 100000) == 1152
-    assert budget.slice_tokens(8, 0, 1100) == 1100, "the whole prompt, its sublayers within the share"
-    assert budget.slice_tokens(8, 0, 1152 + 513) == 1152
-    assert budget.slice_tokens(8, 0, 1152 + 512) == 1152 + 512, "no rest that would go unsliced"
+    assert budget.slice_tokens(8, 0, 100000) == MAX_SLICE_TOKENS
+    assert budget.slice_tokens(8, 0, 1100) == 1100, "the whole prompt"
+    assert budget.slice_tokens(8, 3000, 1100) == 1100, "however deep"
+    assert budget.slice_tokens(8, 0, MAX_SLICE_TOKENS + 513) == MAX_SLICE_TOKENS
+    assert budget.slice_tokens(8, 0, MAX_SLICE_TOKENS + 512) == MAX_SLICE_TOKENS + 512, "no rest that would go unsliced"
     assert budget.slice_tokens(8, 0, MIN_SLICE_TOKENS) is None, "a short prompt: a step or two of plain chunks"
     assert budget.slice_tokens(8, 0, MIN_SLICE_TOKENS + 1) == MIN_SLICE_TOKENS + 1
-    roomy = measured()  # a share of 125: T <= 7,500, but no chunk is larger than MAX_SLICE_TOKENS
-    assert roomy.slice_tokens(8, 0, 100000) == MAX_SLICE_TOKENS
-    assert roomy.slice_tokens(8, 0, MAX_SLICE_TOKENS + 512) == MAX_SLICE_TOKENS + 512, "but for a rest it joins"
-    assert roomy.slice_tokens(8, 0, MAX_SLICE_TOKENS + 513) == MAX_SLICE_TOKENS
-    faster = measured(decode=0.001)  # a share of 4: 240 tokens would fit, but no chunk is smaller than 512
-    assert faster.slice_tokens(8, 0, 5000) == MIN_SLICE_TOKENS
     slow = measured(decode=0.25)  # decode steps so long that a plain chunk passes MIN_SLICE_TOKENS
     plain = slow.tokens(8, 0)
     assert plain > MIN_SLICE_TOKENS
@@ -246,20 +291,27 @@ def test_a_slice_is_as_many_tokens_as_keep_its_heavier_sublayer_within_a_steps_s
     assert slow.slice_tokens(8, 0, plain + 1) == plain + 1
 
 
-def test_a_slice_whose_heavier_sublayer_fills_the_share_exactly_is_that_large() -> None:
-    # a share of 2 x 2^-7 / 2^-11 = 32; 2,048 tokens: a sublayer weighs 2,048 x 0.5 / 32 = 32, the
-    # share exactly; a bucket more passes it
-    assert exact(decode=2**-7).slice_tokens(8, 0, 20000) == 2048
-
-
-def test_a_step_runs_the_sublayers_that_fit_its_share() -> None:
+def test_a_step_runs_the_sublayers_that_fit_its_share_then_the_whole_buckets_of_rows_that_fit() -> None:
     budget = measured()  # attention_share 0.5, parity inf: every sublayer of n tokens weighs n / 60
-    assert budget.slice_stop(8, PromptChunk(9, 0, 2000), 0) == 3  # 33.3 each: 100 of 125
-    assert budget.slice_stop(8, PromptChunk(9, 0, 400), 0) == 18  # 6.67 each: 120 of 125
-    assert budget.slice_stop(8, PromptChunk(9, 0, 400), 7) == 25
-    assert budget.slice_stop(8, PromptChunk(9, 0, 400), 55) == 60, "no further than the last sublayer"
-    assert budget.slice_stop(8, PromptChunk(9, 0, 100000), 3) == 4, "at least one sublayer"
-    assert budget.slice_stop(0, PromptChunk(9, 0, 2000), 3) == 60, "no row decoding: every sublayer left at once"
+    # 2,000 tokens, 33.3 a sublayer: 3 (100 of 125), then 1,408 rows of the fourth (23.5; 1,536: 25.6)
+    assert budget.slice_stop(8, PromptChunk(9, 0, 2000), 0) == (3, 1408)
+    # from there: the fourth's last 592 rows (9.9), three whole (100), 896 rows of the eighth (14.9; 1,024: 17.1)
+    assert budget.slice_stop(8, PromptChunk(9, 0, 2000), 3, 1408) == (7, 896), "the rest of the fourth first"
+    assert budget.slice_stop(8, PromptChunk(9, 0, 400), 0) == (18, 256)  # 6.67 each: 120, then 4.27 of 5
+    assert budget.slice_stop(8, PromptChunk(9, 0, 400), 7) == (25, 256)
+    assert budget.slice_stop(8, PromptChunk(9, 0, 400), 55) == (60, 0), "no further than the last sublayer"
+    assert budget.slice_stop(8, PromptChunk(9, 0, 100000), 3) == (3, 7424), "rows of one sublayer: 123.7 of 125"
+    assert budget.slice_stop(0, PromptChunk(9, 0, 2000), 3) == (60, 0), "no row decoding: every sublayer left at once"
+    exact_fit = PrefillBudget(None, 4096, sublayers=64)  # binary-exact: a share of 128, 1,024 tokens 16 a sublayer
+    exact_fit.observe(8, [], 2**-5)
+    exact_fit.observe(0, [PromptChunk(9, 0, 1024)], 0.5)
+    assert exact_fit.slice_stop(8, PromptChunk(9, 0, 1024), 0) == (8, 0), "whole sublayers that fill it exactly"
+    assert exact_fit.slice_stop(8, PromptChunk(9, 0, 1024), 0, 128) == (8, 128), "and a part's rows too"
+    assert exact_fit.slice_stop(8, PromptChunk(9, 0, 1024), 56) == (64, 0), "no completion learned: none counted"
+    tiny = measured(decode=0.0002)  # a share of 0.8: 48 rows, less than a bucket
+    assert tiny.slice_stop(8, PromptChunk(9, 0, 2000), 3, 256) == (3, 384), "at least a bucket"
+    assert tiny.slice_stop(8, PromptChunk(9, 0, 2000), 3, 1920) == (4, 0), "a rest of a bucket or less whole"
+    assert tiny.slice_stop(8, PromptChunk(9, 0, 100), 59) == (60, 0)
 
 
 def attention(tokens: int, start: int) -> float:
@@ -267,20 +319,23 @@ def attention(tokens: int, start: int) -> float:
     return tokens * (0.25 + (start + (tokens - 1) / 2) / 1000) / 30
 
 
-def test_attention_weighs_a_slice_at_depth_and_its_attention_sublayers_more() -> None:
+def test_attention_weighs_a_part_of_a_sublayer_at_its_rows_depth() -> None:
     budget = measured(parity=1000.0, attention_share=0.25)
-    # the attention, heavier than the MLP (T x 0.75 / 30), within the share (125): 2,432 tokens at 0,
-    # 896 at 3,000, whole buckets
-    early, late = budget.slice_tokens(8, 0, 100000), budget.slice_tokens(8, 3000, 100000)
-    assert attention(2432, 0) <= SHARE < attention(2560, 0) and early == 2432
-    assert attention(896, 3000) <= SHARE < attention(1024, 3000) and late == 896
-    assert budget.slice_tokens(8, 20000, 100000) == MIN_SLICE_TOKENS, "no chunk smaller, however deep"
-    # with attention free, the MLP is the heavier: T x 0.75 / 30 <= 50 (a decode step of 12.5 ms), T <= 2,000
-    assert measured(decode=0.0125, attention_share=0.25).slice_tokens(8, 0, 100000) == 1920
     # 500 tokens at 3,000: an attention weighs 500 x (0.25 + 3,249.5 / 1,000) / 30 = 58.3, an MLP 12.5
     chunk = PromptChunk(9, 3000, 500)
-    assert budget.slice_stop(8, chunk, 0) == 2  # 58.3 + 12.5; a second attention passes 125
-    assert budget.slice_stop(8, chunk, 1) == 4  # 12.5 + 58.3 + 12.5; a second attention passes 125
+    assert attention(500, 3000) == pytest.approx(58.3, abs=0.05)
+    # 58.3 + 12.5, and of the next attention 384 rows (44.1; all of it would pass 125)
+    assert attention(384, 3000) <= SHARE - attention(500, 3000) - 12.5 < attention(500, 3000)
+    assert budget.slice_stop(8, chunk, 0) == (2, 384)
+    # from row 384 of an attention: its last 116 rows weigh their depth, 3,384 to 3,499 (14.3)
+    rest = attention(116, 3384)
+    assert budget.slice_stop(8, chunk, 2, 384) == (6, 128)  # 14.3 + 12.5 + 58.3 + 12.5, then 128 rows (14.1)
+    assert rest + 12.5 + attention(500, 3000) + 12.5 + attention(128, 3000) <= SHARE
+    assert rest + 12.5 + attention(500, 3000) + 12.5 + attention(256, 3000) > SHARE
+    assert budget.slice_stop(8, chunk, 1) == (4, 256)  # 12.5 + 58.3 + 12.5, then 256 rows (28.8; 384: 44.1)
+    narrow = measured(decode=0.0072, parity=1000.0, attention_share=0.25)  # a share of 28.8
+    assert attention(128, 3128) < 28.8 < attention(256, 3128)  # an attention's rows from 128 on, at their depth
+    assert narrow.slice_stop(8, chunk, 2, 128) == (2, 256)
 
 
 def test_no_slice_without_sublayers_a_fixed_budget_decoding_rows_or_measurements() -> None:
@@ -292,7 +347,7 @@ def test_no_slice_without_sublayers_a_fixed_budget_decoding_rows_or_measurements
     assert measured().slice_tokens(0, 0, 5000) is None, "nothing decoding: the whole prompt at once"
     unmeasured = PrefillBudget(None, 4096, sublayers=60)
     assert unmeasured.slice_tokens(8, 0, 5000) is None
-    assert unmeasured.slice_stop(8, PromptChunk(9, 0, 100), 0) == 60
+    assert unmeasured.slice_stop(8, PromptChunk(9, 0, 100), 0) == (60, 0)
     decode_only = PrefillBudget(None, 4096, sublayers=60)
     decode_only.observe(8, [], 0.025)
     assert decode_only.slice_tokens(8, 0, 5000) is None, "no idle prefill timed yet"
@@ -301,64 +356,82 @@ def test_no_slice_without_sublayers_a_fixed_budget_decoding_rows_or_measurements
 def test_a_sliced_steps_time_teaches_the_slice_cost() -> None:
     budget = measured()
     chunk = PromptChunk(9, 0, 400)
-    assert budget.slice_stop(8, chunk, 0) == 18
+    assert budget.slice_stop(8, chunk, 0) == (18, 256)
     # 6 sublayers of 400 tokens in 0.03125 + 0.04 s: twice idle prefill's share of them (0.02 s)
     for _ in range(30):
-        budget.observe_slice(8, chunk, 10, 16, 0.03125 + 0.04)
+        budget.observe_slice(8, chunk, SublayerSpan(10, 16, False), 0.03125 + 0.04)
     assert budget.describe()["slice_cost"] == pytest.approx(2.0, rel=1e-3)
-    assert budget.slice_stop(8, chunk, 0) == 9
+    assert budget.slice_stop(8, chunk, 0) == (9, 128)  # a share of 62.5: 9 sublayers (60), 128 rows (2.13)
     for _ in range(30):  # far cheaper, or dearer, than anything plausible: held within the bounds
-        budget.observe_slice(8, chunk, 0, 1, 0.03125)
+        budget.observe_slice(8, chunk, SublayerSpan(0, 1, False), 0.03125)
     assert budget.describe()["slice_cost"] == pytest.approx(0.25, rel=1e-3)
     for _ in range(30):
-        budget.observe_slice(8, chunk, 0, 1, 10.0)
+        budget.observe_slice(8, chunk, SublayerSpan(0, 1, False), 10.0)
     assert budget.describe()["slice_cost"] == pytest.approx(4.0, rel=1e-3)
     unmeasured = PrefillBudget(None, 4096, sublayers=60)
-    unmeasured.observe_slice(8, chunk, 0, 1, 10.0)
+    unmeasured.observe_slice(8, chunk, SublayerSpan(0, 1, False), 10.0)
     assert unmeasured.describe()["slice_cost"] == 1.0, "nothing to count the step against yet"
     assert "slice_cost" not in PrefillBudget(None, 4096).describe(), "no slicing, no slice cost"
+
+
+def test_a_step_of_parts_of_sublayers_teaches_the_cost_of_its_rows() -> None:
+    budget = measured()  # 400 tokens: 6.67 a sublayer, 0.0005 s each at an idle prefill's rate
+    chunk = PromptChunk(9, 0, 400)
+    # the last 144 rows of sublayer 10, sublayers 11 to 15, 256 rows of 16: 2.4 + 33.3 + 4.27 = 40
+    # idle tokens, 0.02 s at an idle prefill's cost; twice that: a cost of 2
+    for _ in range(30):
+        budget.observe_slice(8, chunk, SublayerSpan(10, 16, False, 256, 256), 0.03125 + 0.04)
+    assert budget.describe()["slice_cost"] == pytest.approx(2.0, rel=1e-3)
+    deep = measured(parity=1000.0, attention_share=0.25)
+    at_depth = PromptChunk(9, 3000, 500)
+    weight = attention(116, 3384) + attention(128, 3000)  # the rows of two attentions, at their depths
+    for _ in range(30):
+        deep.observe_slice(8, at_depth, SublayerSpan(2, 4, False, 384, 128), 0.03125 + 2 * (weight + 12.5) * 0.0005)
+    assert deep.describe()["slice_cost"] == pytest.approx(2.0, rel=1e-3)
 
 
 def test_the_completing_steps_time_teaches_the_completion_and_its_span_leaves_room_for_it() -> None:
     budget = measured()  # a share of 125 idle tokens; 400 tokens: 6.67 a sublayer, 0.0005 s each
     chunk = PromptChunk(9, 0, 400)
-    assert budget.slice_stop(8, chunk, 45) == 60 and budget.describe()["completion_per_1k"] is None
+    assert budget.slice_stop(8, chunk, 45) == (60, 0) and budget.describe()["completion_per_1k"] is None
     # the step that ran sublayers 58 and 59 took them (2 x 6.67 x 0.0005 s) and half a decode step
     # more (the LM head, the prefix cache's copy, the first token): 0.5 / 400 decode steps a token
-    budget.observe_slice(8, chunk, 58, 60, 0.03125 + 2 * 400 / 60 * 0.0005 + 0.03125 / 2)
+    budget.observe_slice(8, chunk, SublayerSpan(58, 60, True), 0.03125 + 2 * 400 / 60 * 0.0005 + 0.03125 / 2)
     assert budget.describe()["completion_per_1k"] == 1.25
     assert budget.describe()["slice_cost"] == 1.0, "not the sublayers' rate: that step is no measure of it"
     # its weight, 0.00125 x 400 x 0.03125 / 0.0005 = 31.25, comes out of the completing span: 15
-    # sublayers (100) would pass the share with it, 14 (93.3) do not
-    assert budget.slice_stop(8, chunk, 45) == 59
-    assert budget.slice_stop(8, chunk, 50) == 60, "10 sublayers (66.7) and the completion fit"
-    assert budget.slice_stop(8, chunk, 41) == 59, "a span that does not complete the prompt: as before"
-    # 800 tokens: 13.3 a sublayer and a completion of 62.5: from 52, 4 sublayers and it fit, 8 would not
-    assert budget.slice_stop(8, PromptChunk(9, 0, 800), 52) == 56, "the completion counts the prompt's tokens"
-    budget.observe_slice(8, chunk, 58, 60, 0.0)  # quicker than its decode step: no completion, averaged
+    # sublayers (100) would pass the share with it; 14 (93.3) and the last one's rows but its last bucket
+    assert budget.slice_stop(8, chunk, 45) == (59, 384)
+    assert budget.slice_stop(8, chunk, 59, 384) == (60, 0), "its last rows and the completion"
+    assert budget.slice_stop(8, chunk, 50) == (60, 0), "10 sublayers (66.7) and the completion fit"
+    assert budget.slice_stop(8, chunk, 41) == (59, 256), "a span that does not complete the prompt: as before"
+    # 800 tokens: 13.3 a sublayer and a completion of 62.5: from 52, 7 sublayers and 6 buckets of the last
+    assert budget.slice_stop(8, PromptChunk(9, 0, 800), 52) == (59, 768), "the completion counts the prompt's tokens"
+    assert budget.slice_stop(8, PromptChunk(9, 0, 800), 56) == (60, 0)
+    budget.observe_slice(8, chunk, SublayerSpan(58, 60, True), 0.0)  # quicker than its decode step: no completion
     assert budget.describe()["completion_per_1k"] == 0.875  # 1.25 - 0.3 x 1.25
-    budget.observe_slice(8, chunk, 58, 60, 0.0)
+    budget.observe_slice(8, chunk, SublayerSpan(58, 60, True), 0.0)
     shown = budget.describe()["completion_per_1k"]
     assert shown == pytest.approx(0.6125, abs=1e-3) and shown != 0.6125, "shown to three places"
     for _ in range(40):  # dearer than anything plausible: held at MAX_COMPLETION
-        budget.observe_slice(8, chunk, 59, 60, 100.0)
+        budget.observe_slice(8, chunk, SublayerSpan(59, 60, True), 100.0)
     assert budget.describe()["completion_per_1k"] == pytest.approx(MAX_COMPLETION * 1000)
-    assert budget.slice_stop(8, chunk, 50) == 51, "the completion alone passes the share: one sublayer a step"
-    assert budget.slice_stop(8, chunk, 59) == 60, "and the last, with it, at least one"
-    assert budget.slice_stop(0, chunk, 50) == 60, "no row decoding: every sublayer left at once"
+    assert budget.slice_stop(8, chunk, 50) == (59, 384), "the completion alone passes the share"
+    assert budget.slice_stop(8, chunk, 59, 384) == (60, 0), "and the last rows, with it, at least a bucket"
+    assert budget.slice_stop(0, chunk, 50) == (60, 0), "no row decoding: every sublayer left at once"
 
 
 def test_a_machine_that_slows_as_a_whole_keeps_a_steps_span() -> None:
-    budget = measured()  # a share of 125 idle tokens: 18 sublayers of 400 tokens (6.67 each)
+    budget = measured()  # a share of 125 idle tokens: 18 sublayers of 400 tokens (6.67 each) and 256 rows
     chunk = PromptChunk(9, 0, 400)
     for _ in range(30):  # sliced steps at exactly an idle prefill's cost: 6 sublayers, 0.02 s beyond the decode step
-        budget.observe_slice(8, chunk, 10, 16, 0.03125 + 0.02)
-    assert budget.slice_stop(8, chunk, 0) == 18
+        budget.observe_slice(8, chunk, SublayerSpan(10, 16, False), 0.03125 + 0.02)
+    assert budget.slice_stop(8, chunk, 0) == (18, 256)
     for _ in range(60):  # then every decode step takes twice as long (so will the sliced work), and no
         budget.observe(8, [], 0.0625)  # idle prefill comes to say so: its time is stale
-    # the rate is learned against the decode step: still 2 decode steps' worth, 18 sublayers, now
-    # 0.125 s; counted against the stale idle prefill's time, 37 would have taken 0.25 s
-    assert budget.slice_stop(8, chunk, 0) == 18
+    # the rate is learned against the decode step: still 2 decode steps' worth, now 0.125 s; counted
+    # against the stale idle prefill's time, 37 sublayers would have taken 0.25 s
+    assert budget.slice_stop(8, chunk, 0) == (18, 256)
     assert budget.describe()["slice_cost"] == pytest.approx(1.0), "as of the last sliced step"
 
 
@@ -366,12 +439,12 @@ def test_a_rate_learned_beside_some_rows_is_counted_against_their_decode_step_be
     budget = measured()  # decode steps of 8 rows: 0.03125 s
     chunk = PromptChunk(9, 0, 400)
     for _ in range(30):  # sliced at an idle prefill's cost beside 8 rows
-        budget.observe_slice(8, chunk, 10, 16, 0.03125 + 0.02)
+        budget.observe_slice(8, chunk, SublayerSpan(10, 16, False), 0.03125 + 0.02)
     for _ in range(60):
         budget.observe(2, [], 0.03125 / 4)  # 2 rows decode in a quarter of the time
-    # the share beside 2 rows is 2 of their decode steps: a quarter of the 8 rows' (18 sublayers), 4
-    assert budget.slice_stop(2, chunk, 0) == 4
-    assert budget.slice_stop(8, chunk, 0) == 18
+    # the share beside 2 rows is 2 of their decode steps: a quarter of the 8 rows' (31.25): 4 sublayers, 256 rows
+    assert budget.slice_stop(2, chunk, 0) == (4, 256)
+    assert budget.slice_stop(8, chunk, 0) == (18, 256)
 
 
 def test_attention_share_is_the_attention_projections_part_of_a_layers_matmuls() -> None:
@@ -405,10 +478,16 @@ def test_the_plan_refuses_a_sliced_chunk_beside_others_an_empty_span_or_an_echoe
     a, b, long = seq("a"), seq("b", 8), seq("long")
     with pytest.raises(PlanError, match="long: a layer-sliced chunk beside 1 other chunks"):
         StepPlan.build([a], [(b, PromptChunk(1, 0, 8))], sliced=(long, PromptChunk(2, 0, 50), SublayerSpan(0, 1, False)))
-    with pytest.raises(PlanError, match=r"long: sublayers \[3, 3\)"):
-        StepPlan.build([a], [], sliced=(long, PromptChunk(1, 0, 50), SublayerSpan(3, 3, False)))
-    with pytest.raises(PlanError, match=r"long: sublayers \[-1, 2\)"):
-        StepPlan.build([a], [], sliced=(long, PromptChunk(1, 0, 50), SublayerSpan(-1, 2, False)))
+    for span in (SublayerSpan(3, 3, False), SublayerSpan(-1, 2, False), SublayerSpan(3, 3, False, 20, 20),
+                 SublayerSpan(3, 3, False, 20, 10), SublayerSpan(3, 2, False, 0, 40), SublayerSpan(3, 4, False, 50),
+                 SublayerSpan(3, 4, False, -1), SublayerSpan(3, 4, False, 0, 50), SublayerSpan(3, 4, False, 0, -1),
+                 SublayerSpan(3, 4, True, 0, 10)):
+        with pytest.raises(PlanError, match=f"long: sublayers from {span.first} row {span.first_row} to {span.stop} "
+                                            f"row {span.stop_row} of a 50-token chunk"):
+            StepPlan.build([a], [], sliced=(long, PromptChunk(1, 0, 50), span))
+    for span in (SublayerSpan(3, 3, False, 20, 21), SublayerSpan(3, 4, False, 49, 49), SublayerSpan(0, 1, False, 0, 0),
+                 SublayerSpan(3, 3, False, 0, 1)):
+        assert StepPlan.build([a], [], sliced=(long, PromptChunk(1, 0, 50), span)).sliced is not None
     echo = Sequence(replace(long.request, echo_prompt_logprobs=True), sink=None)
     with pytest.raises(PlanError, match="long: a layer-sliced chunk of a prompt whose log-probabilities are echoed"):
         StepPlan.build([a], [], sliced=(echo, PromptChunk(1, 0, 50), SublayerSpan(0, 1, False)))
@@ -441,6 +520,11 @@ def test_the_scheduler_plans_the_chunk_in_flight_first_and_alone_and_moves_its_r
     long.slice = PromptSlice(64, 9)
     again = sched.plan(start)
     assert again.sliced is not None and again.sliced.sublayers == SublayerSpan(9, 10, True)
+    long.slice = PromptSlice(64, 4, 40)
+    slicer.parts.clear()
+    part = sched.plan(start)
+    assert slicer.parts == [(4, 40, 7, 40)] and part.sliced is not None
+    assert part.sliced.sublayers == SublayerSpan(4, 7, False, 40, 40)
     moves: list[tuple[int, int, int]] = []
     sched.remove_rows([0], lambda src, dst, n: moves.append((src, dst, n)))  # "a" leaves: the last row moves up
     assert moves == [(2, 0, 0)]  # "short", nothing cached yet
@@ -459,7 +543,7 @@ def test_the_runner_pads_a_sliced_chunk_to_whole_buckets_within_the_context_and_
     assert runner._padded(PromptChunk(1, 0, 128)) == PromptChunk(1, 0, 128)
     assert runner._padded(PromptChunk(1, 64, 129)) == PromptChunk(1, 64, 192)
     assert runner._padded(PromptChunk(1, 200, 40)) == PromptChunk(1, 200, 56), "no further than the context"
-    wide = ModelRunner(model(), 1, 2 * MIN_SLICE_TOKENS, CPU, torch.float32)  # row counts 512, 640, ... 1,024
+    wide = ModelRunner(model(), 1, 2 * MIN_SLICE_TOKENS, CPU, torch.float32)  # row counts 128, 256, ... 1,024
     wide.cache.k.normal_()
     before = wide.cache.k.clone()
     wide.warm_sliced_prefill()
@@ -471,10 +555,10 @@ def test_a_span_past_the_first_with_no_output_held_for_it_is_a_plan_error() -> N
     long, other = seq("long", 100), seq("other", 100)
     first = StepPlan.build([], [], sliced=(long, PromptChunk(0, 0, 100), SublayerSpan(0, 2, False)))
     runner.forward(first)
-    with pytest.raises(PlanError, match="layer-sliced prefill of other: sublayers from 2 on, but no output of "
-                                        "the layers before is held for it"):
+    with pytest.raises(PlanError, match="layer-sliced prefill of other: sublayers from 2 row 0 on, but no output "
+                                        "of the layers before is held for it"):
         runner.forward(StepPlan.build([], [], sliced=(other, PromptChunk(1, 0, 100), SublayerSpan(2, 4, False))))
-    with pytest.raises(PlanError, match="layer-sliced prefill of long: sublayers from 2 on"):  # its length differs
+    with pytest.raises(PlanError, match="layer-sliced prefill of long: sublayers from 2 row 0 on"):  # its length differs
         runner.forward(StepPlan.build([], [], sliced=(long, PromptChunk(0, 0, 50), SublayerSpan(2, 4, False))))
     assert runner.forward(StepPlan.build([], [], sliced=(long, PromptChunk(0, 0, 100), SublayerSpan(2, 10, True))))\
         .sampled.shape == (1, runner.model.config.vocab_size)
@@ -491,17 +575,12 @@ def exact(decode: float = 2**-5) -> PrefillBudget:
     return budget
 
 
-def test_a_span_takes_the_sublayers_that_fill_the_share_exactly() -> None:
-    # 1,024 tokens: a sublayer weighs 1,024 x 0.5 / 32 = 16; 8 of them are the share, 128
-    assert exact().slice_stop(8, PromptChunk(9, 0, 1024), 0) == 8
-
-
 def test_a_sliced_steps_cost_weighs_its_attention_at_the_chunks_mean_position() -> None:
     budget = measured(parity=10.0, attention_share=0.25)  # a small parity: half a position shows
     chunk = PromptChunk(9, 0, 500)  # its mean position 249.5
     attention, mlp = 500 * (0.25 + 249.5 / 10) / 30, 500 * 0.75 / 30
     for _ in range(60):  # twice idle prefill's cost of those two sublayers
-        budget.observe_slice(8, chunk, 4, 6, 0.03125 + 2 * (attention + mlp) * 0.0005)
+        budget.observe_slice(8, chunk, SublayerSpan(4, 6, False), 0.03125 + 2 * (attention + mlp) * 0.0005)
     assert budget.describe()["slice_cost"] == 2.0
 
 
@@ -509,19 +588,19 @@ def test_a_completing_span_that_fills_the_share_exactly_with_its_completion_runs
     budget = exact()  # 1,024 tokens: 16 a sublayer (2^-7 s), a share of 128
     chunk = PromptChunk(9, 0, 1024)
     # a completion of one decode step for 1,024 tokens: 2^-5 s, a weight of 64
-    budget.observe_slice(8, chunk, 63, 64, 2**-5 + 2**-7 + 2**-5)
-    assert budget.slice_stop(8, chunk, 60) == 64  # 4 sublayers (64) and the completion (64): 128
-    assert budget.slice_stop(8, chunk, 59) == 63
+    budget.observe_slice(8, chunk, SublayerSpan(63, 64, True), 2**-5 + 2**-7 + 2**-5)
+    assert budget.slice_stop(8, chunk, 60) == (64, 0)  # 4 sublayers (64) and the completion (64): 128
+    assert budget.slice_stop(8, chunk, 59) == (63, 896)  # 4 sublayers (64) and 7 buckets of the last (14)
 
 
 def test_the_slice_cost_is_a_moving_average_shown_to_three_places() -> None:
     budget = exact()
     chunk = PromptChunk(9, 0, 1024)  # 16 idle tokens a sublayer: 2^-7 s
-    budget.observe_slice(8, chunk, 0, 1, 2**-5 + 1.8 * 2**-7)  # cost 1.8: 1 + 0.3 x 0.8
+    budget.observe_slice(8, chunk, SublayerSpan(0, 1, False), 2**-5 + 1.8 * 2**-7)  # cost 1.8: 1 + 0.3 x 0.8
     assert budget.describe()["slice_cost"] == 1.24
-    budget.observe_slice(8, chunk, 0, 1, 2**-5 + 1.8 * 2**-7)
+    budget.observe_slice(8, chunk, SublayerSpan(0, 1, False), 2**-5 + 1.8 * 2**-7)
     assert budget.describe()["slice_cost"] == 1.408  # 1.24 + 0.3 x 0.56
-    budget.observe_slice(8, chunk, 0, 1, 2**-5 + 1.8 * 2**-7)
+    budget.observe_slice(8, chunk, SublayerSpan(0, 1, False), 2**-5 + 1.8 * 2**-7)
     assert budget.describe()["slice_cost"] == 1.526  # 1.5256, to three places
 
 
@@ -535,9 +614,9 @@ def test_a_slice_step_with_nothing_to_count_it_against_teaches_nothing() -> None
     free_idle.observe(8, [], 2**-5)
     free_idle.observe(0, [chunk], 0.0)
     for budget in (decode_only, idle_only, free_idle):
-        budget.observe_slice(8, chunk, 0, 1, 1.0)
+        budget.observe_slice(8, chunk, SublayerSpan(0, 1, False), 1.0)
         assert budget.describe()["slice_cost"] == 1.0
-        assert budget.slice_tokens(8, 0, 5000) is None and budget.slice_stop(8, chunk, 0) == 64
+        assert budget.slice_tokens(8, 0, 5000) is None and budget.slice_stop(8, chunk, 0) == (64, 0)
     nothing_decoding = exact()
-    nothing_decoding.observe_slice(0, chunk, 0, 1, 1.0)  # the rows left: no decode step in it
+    nothing_decoding.observe_slice(0, chunk, SublayerSpan(0, 1, False), 1.0)  # the rows left: no decode step in it
     assert nothing_decoding.describe()["slice_cost"] == 1.0

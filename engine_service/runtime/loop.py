@@ -106,7 +106,7 @@ class DecodeLoop:
         logits = self.runner.forward(plan)
         for i, p in enumerate(plan.prefills):
             if not p.done:  # a layer-sliced chunk with layers still to run
-                p.seq.slice = PromptSlice(p.chunk.length, p.sublayers.stop)  # type: ignore[union-attr]
+                p.seq.slice = PromptSlice(p.chunk.length, *p.sublayers.resume)  # type: ignore[union-attr]
                 continue
             p.seq.slice = None
             p.seq.cache_len = p.chunk.start + p.chunk.length
@@ -178,9 +178,10 @@ class DecodeLoop:
         decoding, fed, sliced = len(plan.decodes), plan.prefill_tokens, plan.sliced
         if sliced is not None and sliced.sublayers is not None:
             span = sliced.sublayers
-            self.prefill_budget.observe_slice(decoding, sliced.chunk, span.first, span.stop, seconds)
+            self.prefill_budget.observe_slice(decoding, sliced.chunk, span, seconds)
             log.debug("sliced_prefill_step", decoding=decoding, tokens=fed, position=sliced.chunk.start,
-                      sublayers=[span.first, span.stop], ms=round(seconds * 1000, 1), **self.prefill_budget.describe())
+                      sublayers=[span.first, span.stop], rows=[span.first_row, span.stop_row],
+                      ms=round(seconds * 1000, 1), **self.prefill_budget.describe())
             return
         self.prefill_budget.observe(decoding, [p.chunk for p in plan.prefills], seconds)
         if fed and decoding:

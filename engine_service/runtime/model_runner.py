@@ -125,25 +125,34 @@ class ModelRunner:
             return logits if logits is not None else StepLogits(torch.empty(0, 0, device=self.device))
         return StepLogits(last if logits is None else torch.cat([logits.sampled, last]))
 
+    @torch.inference_mode()
     def _slice(self, prefill: Prefill) -> torch.Tensor | None:
-        """`prefill`'s chunk through its span of sublayers (prefill.sublayers), from the span before's
-        output, which the runner holds; the logits (1, V) of its last token where it completes its
-        prompt, else None."""
+        """`prefill`'s chunk through its span (prefill.sublayers), from the span before's output,
+        which the runner holds (its rows through the sublayers run so far); the logits (1, V) of its
+        last token where it completes its prompt, else None. A part of a sublayer runs its rows as
+        a chunk of their own, at their positions."""
         span, chunk = prefill.sublayers, prefill.chunk
         assert span is not None
         padded = self._padded(chunk)
-        hidden = None
-        if span.first:
+        tokens = self._prompt_tokens([prefill])
+        tokens = torch.cat([tokens, tokens[-1:].expand(padded.length - chunk.length)])
+        if (span.first, span.first_row) == (0, 0):
+            hidden = self.model.embed(tokens)
+        else:
             held = self._sliced
             if held is None or held[0] is not prefill.seq or held[1] != (chunk.start, chunk.length):
                 raise PlanError(f"layer-sliced prefill of {prefill.seq.request_id}: sublayers from {span.first} "
-                                "on, but no output of the layers before is held for it")
+                                f"row {span.first_row} on, but no output of the layers before is held for it")
             hidden = held[2]
-        tokens = self._prompt_tokens([prefill])
-        tokens = torch.cat([tokens, tokens[-1:].expand(padded.length - chunk.length)])
-        out = self.model.prefill_sublayers(tokens, hidden, padded, range(span.first, span.stop), self.cache)
-        self._sliced = None if span.last else (prefill.seq, (chunk.start, chunk.length), out)
-        return self.model.chunk_logits(out[:chunk.length]) if prefill.completes else None
+        for sublayers, first, stop in span.pieces(padded.length):
+            if (first, stop) == (0, padded.length):
+                hidden = self.model.prefill_sublayers(tokens, hidden, padded, sublayers, self.cache)
+            else:
+                part = padded._replace(start=padded.start + first, length=stop - first)
+                hidden[first:stop] = self.model.prefill_sublayers(tokens[first:stop], hidden[first:stop], part,
+                                                                  sublayers, self.cache)
+        self._sliced = None if span.last else (prefill.seq, (chunk.start, chunk.length), hidden)
+        return self.model.chunk_logits(hidden[:chunk.length]) if prefill.completes else None
 
     def _padded(self, chunk: PromptChunk) -> PromptChunk:
         """`chunk` padded to a multiple of SLICE_BUCKET tokens where the row has the positions (the
@@ -155,14 +164,14 @@ class ModelRunner:
         return chunk._replace(length=max(chunk.length, min(bucket, self.cache.max_context - chunk.start)))
 
     def warm_sliced_prefill(self) -> None:
-        """Run the first layer's projections over each row count a sliced chunk runs at (the
-        multiples of SLICE_BUCKET from MIN_SLICE_TOKENS up to the context, or up to MAX_SLICE_TOKENS
+        """Run the first layer's projections over each row count a sliced chunk or a part of its
+        rows runs at (the multiples of SLICE_BUCKET up to the context, or up to MAX_SLICE_TOKENS
         and the rest of at most MIN_SLICE_TOKENS it may join), so that oneDNN makes its kernels for
         them now and not in a step beside decoding rows: a new count cost 30-45 ms there, against
         20-45 ms for a 2,000-token chunk's layer itself (SmolLM2 in bfloat16, Xeon 207 with AMX)."""
         layer = self.model.model.layers[0]
         hidden, width = self.model.config.hidden_size, layer.mlp.size
-        for rows in range(MIN_SLICE_TOKENS, min(self.cache.max_context, MAX_SLICE_TOKENS + MIN_SLICE_TOKENS) + 1,
+        for rows in range(SLICE_BUCKET, min(self.cache.max_context, MAX_SLICE_TOKENS + MIN_SLICE_TOKENS) + 1,
                           SLICE_BUCKET):
             x = torch.zeros(1, rows, hidden, dtype=self.cache.k.dtype, device=self.device)
             layer.self_attn.qkv(x)

@@ -68,25 +68,30 @@ waits S / (S - F) times its work: 2-2.7x its TTFT alone there (bound 1.6x), whil
 overran (the streams' gap 4.5-4.6x, bound 4x). A sliced step pays one decode step (the decoding
 rows' fast path) and the chunk's sublayers at about an idle prefill's cost a token (2,000 or 512
 rows: the matmuls at their full rate), so the prompt waits S / (S - 1) times its work; with
-SLICE_STALL_FACTOR 3 that is 1.5x at a full share, the step's sublayers being whole.
+SLICE_STALL_FACTOR 3 that is 1.5x at a full share.
 - the step's share: (SLICE_STALL_FACTOR - 1) decode steps' worth of sublayers, at the rate the
   sliced steps have shown (a moving average of their time beyond their decode step, a unit of
   their sublayers' weight, against that decode step's time: `observe_slice`, `_weight_seconds`;
   before one is timed, an idle prefill's rate);
 - a sublayer's weight: an attention's tokens weigh attention_share of a layer's matmuls plus its
   attention at their positions (1 / parity a position), an MLP's the rest of the matmuls;
-- a chunk's tokens: as many as keep its heavier sublayer within the share, so that no step needs
-  more than its share, in whole SLICE_BUCKETs (the runner pads the prompt's last chunk to one, and
-  has oneDNN make those row counts' kernels at start-up: a new count cost 30-45 ms inside a step),
-  at least MIN_SLICE_TOKENS and at most MAX_SLICE_TOKENS, and all the rest where no more than
-  MIN_SLICE_TOKENS would be left. As large as that, not smaller: a later chunk's attention reads
-  the earlier ones' keys under a mask (no causal skip) and smaller chunks run their matmuls slower
-  a token. Measured in one process
-  (SmolLM2, int4 decode, bfloat16 prefill, a decode step of 8 rows before each span of 4
+- a step's span: the sublayers that fit the share whole, then as many whole SLICE_BUCKETs of the
+  next one's rows as fit what is left (at least one bucket a step), so that a step fills its
+  share however large a sublayer is (`slice_stop`; step_plan.SublayerSpan). A sublayer's rows run
+  in order, each part of an attention as a prompt chunk of its own over the row's cached keys (a
+  mask, no causal skip); buckets, because the runner has oneDNN make those row counts' kernels at
+  start-up (a new count cost 30-45 ms inside a step). Before (until 2026-12-06), a step held whole
+  sublayers only, and a chunk was as large as kept its heavier sublayer within the share: on an
+  AMD EPYC of the Zen 4 class a sublayer of its 1,280-1,408-token chunks took 14-38 ms against a
+  share of 35 ms, so every step held one sublayer, filling 40-100% of its share, or passed it (the
+  late chunk's attentions, 3.2-3.4 decode steps);
+- a chunk's tokens: the whole prompt, up to MAX_SLICE_TOKENS, and all the rest where no more than
+  MIN_SLICE_TOKENS would be left: a later chunk's attention reads the earlier ones' keys under a
+  mask (no causal skip) and smaller chunks run their matmuls slower a token. Measured in one
+  process (SmolLM2, int4 decode, bfloat16 prefill, a decode step of 8 rows before each span of 4
   sublayers, Xeon 207 with AMX, medians of 5): a 2,048-token chunk 753 ms, chunks of 1,152 and
   896 tokens 954 ms, an idle prefill of 2,000 tokens 688 ms; the torch profiler without the
-  decode steps: attention 361 against 435 ms, linears 267 against 343 ms. Chunks sized for 4
-  sublayers a step, before, were 1,152 and 848 tokens there;
+  decode steps: attention 361 against 435 ms, linears 267 against 343 ms;
 - the step that completes the prompt also runs the LM head, copies the prompt's blocks into the
   prefix cache (10-23 ms for 2,000 tokens) and samples the first token: that step's time beyond its
   sublayers is learned as the completion (decode steps a prompt token, `observe_slice`), not as
@@ -123,6 +128,7 @@ from collections.abc import Sequence
 
 from engine_service.model.config import ModelConfig
 from engine_service.model.kv_cache import PromptChunk
+from engine_service.scheduling.step_plan import SublayerSpan
 
 STALL_FACTOR = 3.5
 CHUNK_COST = 1.5  # a prompt token prefilled beside decoding rows: idle ones, before a mixed step is timed
@@ -193,43 +199,41 @@ class PrefillBudget:
     def slice_tokens(self, decoding: int, position: int, remaining: int) -> int | None:
         """The tokens of a layer-sliced chunk from `position` (scheduler.Slicer), where the prompt
         would take more than one plain chunk beside `decoding` rows (> 0) and has more than
-        MIN_SLICE_TOKENS to go (else None: plain chunks): as many as keep its heavier sublayer
-        within a step's share, in whole SLICE_BUCKETs, at least MIN_SLICE_TOKENS and at most
-        MAX_SLICE_TOKENS; or all of them where the rest would be no more than MIN_SLICE_TOKENS, too
-        few to slice. The larger the chunk, the nearer its cost a token to an idle prefill's (no
-        later chunk's attention over the earlier ones' keys, no small matmuls); no larger, so that
-        a step never needs more than its share."""
+        MIN_SLICE_TOKENS to go (else None: plain chunks): all of them, up to MAX_SLICE_TOKENS in
+        whole SLICE_BUCKETs, or all where the rest would be no more than MIN_SLICE_TOKENS, too few to
+        slice. The larger the chunk, the nearer its cost a token to an idle prefill's (no later
+        chunk's attention over the earlier ones' keys, no small matmuls); a step runs as many of its
+        rows as its share holds (slice_stop)."""
         share = self._slice_share(decoding)
         if share is None or remaining <= max(MIN_SLICE_TOKENS, self.tokens(decoding, position)):
             return None
-        least = MIN_SLICE_TOKENS // SLICE_BUCKET  # in buckets
-        more = range(least + 1, min(-(-remaining // SLICE_BUCKET), MAX_SLICE_TOKENS // SLICE_BUCKET) + 1)
-        fit = least + bisect.bisect_right(more, share, key=lambda n: self._heavier(position, n * SLICE_BUCKET))
-        tokens = min(remaining, fit * SLICE_BUCKET)
+        tokens = min(remaining, MAX_SLICE_TOKENS)
         return remaining if remaining - tokens <= MIN_SLICE_TOKENS else tokens
 
-    def _heavier(self, start: int, length: int) -> float:
-        """The weight of the heavier sublayer, its attention or its MLP, of a chunk of `length`
-        tokens from `start` (every layer's are alike)."""
-        return max(self._sublayer_weight(start, length, 0), self._sublayer_weight(start, length, 1))
-
-    def slice_stop(self, decoding: int, chunk: PromptChunk, first: int) -> int:
-        """Where this step's span of `chunk`'s sublayers from `first` stops (scheduler.Slicer): as
-        many as fit the step's share beside `decoding` rows, at least one; every one left where no
-        row decodes (no stream waits) or nothing is measured yet."""
+    def slice_stop(self, decoding: int, chunk: PromptChunk, first: int, first_row: int = 0) -> tuple[int, int]:
+        """Where this step's span of `chunk` from sublayer `first` at row `first_row` stops
+        (scheduler.Slicer): (sublayer, row), as far as fills the step's share beside `decoding`
+        rows, whole sublayers and then the whole SLICE_BUCKETs of rows of the next that fit, at
+        least one bucket; the span that completes the prompt leaves room for its completion. All
+        that is left where no row decodes (no stream waits) or nothing is measured yet."""
         share = self._slice_share(decoding)
         if share is None:
-            return self.sublayers
-        stop, used = first + 1, self._sublayer_weight(chunk.start, chunk.length, first)
-        while stop < self.sublayers and used + self._sublayer_weight(chunk.start, chunk.length, stop) <= share:
-            used += self._sublayer_weight(chunk.start, chunk.length, stop)
-            stop += 1
-        if stop == self.sublayers and self._completion is not None:  # the completing step pays its completion too
-            completion = self._completion_weight(decoding, chunk, self._completion)
-            while stop > first + 1 and used + completion > share:
-                stop -= 1
-                used -= self._sublayer_weight(chunk.start, chunk.length, stop)
-        return stop
+            return self.sublayers, 0
+        completion = 0.0 if self._completion is None else self._completion_weight(decoding, chunk, self._completion)
+        sub, row, used = first, first_row, 0.0
+        while sub < self.sublayers:
+            rest = self._sublayer_weight(chunk.start + row, chunk.length - row, sub)
+            if used + rest + (completion if sub == self.sublayers - 1 else 0.0) <= share:
+                sub, row, used = sub + 1, 0, used + rest
+                continue
+            # the whole buckets of this sublayer's rows that fit what is left, short of its last row
+            more = range(1, -(-(chunk.length - row) // SLICE_BUCKET))
+            fit = bisect.bisect_right(more, share - used, key=lambda n: self._sublayer_weight(
+                chunk.start + row, n * SLICE_BUCKET, sub))
+            if fit == 0 and (sub, row) == (first, first_row):  # at least one bucket
+                return (sub, row + SLICE_BUCKET) if len(more) else (sub + 1, 0)
+            return sub, row + fit * SLICE_BUCKET
+        return sub, 0
 
     def _completion_weight(self, decoding: int, chunk: PromptChunk, completion: float) -> float:
         """The completion (`completion` decode steps a prompt token) of a prompt whose last chunk is
@@ -312,17 +316,18 @@ class PrefillBudget:
             self._chunk_cost[decoding] = _average(self._chunk_cost.get(decoding, CHUNK_COST),
                                                   min(MAX_CHUNK_COST, max(MIN_CHUNK_COST, cost)))
 
-    def observe_slice(self, decoding: int, chunk: PromptChunk, first: int, stop: int, seconds: float) -> None:
-        """A step took `seconds` with `decoding` rows decoding and `chunk` through sublayers
-        first..stop-1: the sliced chunk's time beyond the decode step's, a unit of those
-        sublayers' weight, over the decode step's (`_weight_seconds`' moving average), held within
-        MIN_SLICE_COST and MAX_SLICE_COST times an idle prefill's."""
+    def observe_slice(self, decoding: int, chunk: PromptChunk, span: SublayerSpan, seconds: float) -> None:
+        """A step took `seconds` with `decoding` rows decoding and `chunk` through `span`: the
+        sliced chunk's time beyond the decode step's, a unit of the span's weight, over the decode
+        step's (`_weight_seconds`' moving average), held within MIN_SLICE_COST and MAX_SLICE_COST
+        times an idle prefill's."""
         basis = self._slice_basis(decoding)
         if basis is None:
             return  # another slicer's chunk (a test's), or nothing to count this step's cost against
         decode, token_idle = basis
-        weight = sum(self._sublayer_weight(chunk.start, chunk.length, s) for s in range(first, stop))
-        if stop == self.sublayers:  # the completing step: its time beyond the sublayers is the completion's
+        weight = sum(self._sublayer_weight(chunk.start + first, stop - first, sub)
+                     for sublayers, first, stop in span.pieces(chunk.length) for sub in sublayers)
+        if span.last:  # the completing step: its time beyond the sublayers is the completion's
             beyond = (seconds - decode - weight * self._weight_seconds(token_idle)) / decode
             completion = min(MAX_COMPLETION, max(0.0, beyond / (chunk.start + chunk.length)))
             self._completion = _average(self._completion, completion)

@@ -50,8 +50,9 @@ class Slicer(Protocol):
         `decoding` rows decoding, or None where the prompt prefills in plain chunks."""
         ...
 
-    def slice_stop(self, decoding: int, chunk: PromptChunk, first: int) -> int:
-        """Where this step's span of `chunk`'s sublayers from `first` on stops (first < stop <= sublayers)."""
+    def slice_stop(self, decoding: int, chunk: PromptChunk, first: int, first_row: int = 0) -> tuple[int, int]:
+        """Where this step's span of `chunk`'s sublayers from sublayer `first` at row `first_row`
+        stops: (sublayer, row), after the start and at most (sublayers, 0) (step_plan.SublayerSpan)."""
         ...
 
 
@@ -203,9 +204,10 @@ class Scheduler:
             if tokens is None:
                 return None
             seq.slice = PromptSlice(tokens)
-        chunk, first = PromptChunk(row, seq.cache_len, seq.slice.length), seq.slice.sublayers_run
-        stop = slicer.slice_stop(self._decoding, chunk, first)
-        return seq, chunk, SublayerSpan(first, stop, stop == slicer.sublayers)
+        chunk, first, first_row = PromptChunk(row, seq.cache_len, seq.slice.length), seq.slice.sublayers_run, \
+            seq.slice.rows_run
+        stop, stop_row = slicer.slice_stop(self._decoding, chunk, first, first_row)
+        return seq, chunk, SublayerSpan(first, stop, stop == slicer.sublayers, first_row, stop_row)
 
     def retire(self, plan: StepPlan, finished: list[Sequence], swap_rows: SwapRows, move_row: MoveRow) -> None:
         """After the step of `plan`: its prompts that completed join the decoding rows, then the

@@ -22,11 +22,12 @@ class Timings:
 class PromptSlice:
     """A prompt chunk of `length` tokens from the sequence's cache_len on, in flight through the
     model's layers over several steps (a layer-sliced prefill: scheduling/prefill_budget.py): its
-    sublayers 0..sublayers_run-1 have run (step_plan.SublayerSpan), and their keys and values are
-    in its row."""
+    sublayers 0..sublayers_run-1 have run (step_plan.SublayerSpan), and sublayer sublayers_run's
+    rows 0..rows_run-1, and their keys and values are in its row."""
 
     length: int
     sublayers_run: int = 0
+    rows_run: int = 0
 
 
 @dataclass(eq=False)

@@ -10,8 +10,8 @@ the speculator read rows only from it. The layout (kv_cache.py keeps the rows; t
   len(draft) rows (one when it has no draft), then one row for each prompt chunk that completes
   its prompt (that row gives the sequence's first token). `logits` of each entry is its slice;
 - a prompt chunk that runs through the layers over several steps (a layer-sliced prefill, its
-  `sublayers` this step's span of them) is the step's only chunk, and completes its prompt only
-  in the step that runs its last sublayer.
+  `sublayers` this step's span of them, whole sublayers and parts of their rows) is the step's
+  only chunk, and completes its prompt only in the step that runs its last sublayer's last rows.
 
 `StepPlan.build` checks all of it and raises `PlanError` (a bug: the decode loop's fatal path)
 when any part does not hold.
@@ -43,13 +43,38 @@ class DecodeRow:
 
 @dataclass(frozen=True)
 class SublayerSpan:
-    """Sublayers first..stop-1 of a prompt chunk that runs through the layers over several steps,
-    two to a decoder layer (2i its attention, 2i + 1 its MLP); `last`: stop is the model's count
-    of them, so the chunk is done after this step."""
+    """This step's part of a prompt chunk that runs through the layers over several steps, two
+    sublayers to a decoder layer (2i its attention, 2i + 1 its MLP): from sublayer `first` at the
+    chunk's row `first_row` up to sublayer `stop` at row `stop_row`, that is, sublayer first's rows
+    from first_row on, the sublayers between whole, and sublayer stop's rows before stop_row (none
+    where it is 0). A sublayer's rows run in order, so the rows before a part have their keys and
+    values cached for it (a part of an attention is a prompt chunk of its own, from its first row).
+    `last`: stop is the model's count of sublayers, so the chunk is done after this step."""
 
     first: int
     stop: int
     last: bool
+    first_row: int = 0
+    stop_row: int = 0
+
+    @property
+    def resume(self) -> tuple[int, int]:
+        """Where the chunk's next span starts: (stop, stop_row)."""
+        return self.stop, self.stop_row
+
+    def pieces(self, rows: int) -> list[tuple[range, int, int]]:
+        """The span over a chunk of `rows` rows as (sublayers, first row, stop row): whole
+        sublayers in runs over rows 0..rows-1, and each part sublayer's rows alone."""
+        out: list[tuple[range, int, int]] = []
+        sub, row = self.first, self.first_row
+        while (sub, row) < (self.stop, self.stop_row):
+            end = self.stop_row if sub == self.stop else rows
+            if out and row == 0 and end == rows and out[-1][1:] == (0, rows):
+                out[-1] = (range(out[-1][0].start, sub + 1), 0, rows)
+            else:
+                out.append((range(sub, sub + 1), row, end))
+            sub, row = sub + 1, 0
+        return out
 
 
 Sliced = tuple[Sequence, PromptChunk, SublayerSpan]  # a layer-sliced chunk's sequence, chunk and span this step
@@ -144,8 +169,11 @@ class StepPlan:
                 continue
             if len(self.prefills) > 1:
                 problems.append(f"{p.seq.request_id}: a layer-sliced chunk beside {len(self.prefills) - 1} other chunks")
-            if not 0 <= span.first < span.stop:
-                problems.append(f"{p.seq.request_id}: sublayers [{span.first}, {span.stop})")
+            if not (0 <= span.first and (span.first, span.first_row) < (span.stop, span.stop_row)
+                    and 0 <= span.first_row < p.chunk.length and 0 <= span.stop_row < p.chunk.length
+                    and not (span.last and span.stop_row)):
+                problems.append(f"{p.seq.request_id}: sublayers from {span.first} row {span.first_row} "
+                                f"to {span.stop} row {span.stop_row} of a {p.chunk.length}-token chunk")
             if p.seq.request.echo_prompt_logprobs:
                 problems.append(f"{p.seq.request_id}: a layer-sliced chunk of a prompt whose log-probabilities are echoed")
         if problems:
