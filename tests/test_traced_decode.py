@@ -89,13 +89,20 @@ def test_verify_sizes_are_the_powers_of_two_below_the_most_and_the_most(most: in
     assert sizes[:-1] == [n for n in (2, 4, 8) if n < most]
 
 
+# what the trace's and the eager step's logits, keys and values may differ by: float32's rounding where
+# the CPU's kernels sum in another order; in bfloat16 they agreed bit for bit on every CPU tried
+ROUNDING = {torch.float32: 1e-6, torch.bfloat16: 0.0}
+
+
 @pytest.mark.parametrize(("dtype", "method"), [
     (torch.float32, "none"), (torch.bfloat16, "none"), (torch.bfloat16, "int4"), (torch.bfloat16, "int8"),
 ])
 def test_traced_verify_steps_equal_the_eager_verify_step(dtype: torch.dtype, method: str) -> None:
     """A verify step through its trace gives the eager step's logits for the same tokens, fed as a
-    chunk (how the runner verifies without a trace), bit for bit, at every traced size, and writes
-    the same keys and values."""
+    chunk (how the runner verifies without a trace), at every traced size, and writes the same keys
+    and values: bit for bit on the Xeon 207; within float rounding where the CPU's attention kernel
+    sums the trace's query rows (a KV head's G heads x n tokens) in another order than the eager
+    chunk's (n tokens a head): on an AMD EPYC of the Zen 4 class, 2 tokens in float32 differ by 9e-8."""
     model = _tiny(dtype, method)
     cache = KVCache(model.config, 2, CONTEXT, dtype, CPU)
     traced = TracedVerify(model, cache, 7)
@@ -116,7 +123,8 @@ def test_traced_verify_steps_equal_the_eager_verify_step(dtype: torch.dtype, met
                 logits = traced(fed[None, :], torch.arange(19, 19 + n)[None, :])
             runs.append((logits, cache.k[:, 0, :, :19 + n].clone(), cache.v[:, 0, :, :19 + n].clone()))
         for eager, through_trace in zip(*runs, strict=True):
-            assert torch.equal(eager, through_trace), f"{n} tokens"
+            torch.testing.assert_close(through_trace, eager, rtol=0, atol=ROUNDING[dtype], msg=f"{n} tokens")
+        assert torch.equal(runs[0][0].argmax(-1), runs[1][0].argmax(-1)), f"{n} tokens: the same greedy tokens"
 
 
 def test_a_verify_trace_failure_falls_back_to_the_eager_verify_step_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,7 +151,8 @@ def test_the_runner_pads_a_short_draft_to_a_traced_size_and_keeps_its_rows() -> 
     none = torch.zeros(0, dtype=torch.long)
     expected = model.step(none, none, torch.tensor([9, 10, 11]), [PromptChunk(0, 3, 3)], runner.cache,
                           logits_of=[0], every_token_of=[0])
-    assert got is not None and torch.equal(got, expected)
+    assert got is not None and got.shape == expected.shape  # within float rounding: see the test above
+    torch.testing.assert_close(got, expected, rtol=0, atol=ROUNDING[torch.float32])
     assert runner._verify_traced_row([9, 10, 11, 12, 13], 3) is None  # 5 tokens: past the largest size
     assert runner._verify_traced_row([9, 10, 11], 29) is None  # padded to 4 from 29: past the 32 positions
     assert runner._verify_traced_row([9, 10, 11], 28) is not None  # positions 28..31
