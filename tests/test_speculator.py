@@ -316,6 +316,9 @@ def test_a_row_count_whose_verify_steps_do_not_pay_speculates_once_in_retry_ever
     assert speculator.drafts(two) == [[4, 0, 1]] * 2  # nothing measured: it speculates
     speculator.observe(2, 3, 0.030, None)  # no plain step timed at 2 rows: nothing to compare
     assert speculator.describe() == {}
+    assert speculator.drafts(two) is None, "so the next step of 2 rows runs plainly, to be timed"
+    assert speculator.drafts(one) == [[4, 0, 1]], "another row count as it was"
+    assert speculator.drafts(two) is not None, "once"
     # 2 rows gave 3 tokens in 30 ms, where a plain step gives 2 in 20: 1.5 a row against 1 a row
     # in 1.5x the time, a payoff of exactly 1, which still speculates
     speculator.observe(2, 3, 0.030, 0.020)
@@ -365,6 +368,22 @@ def test_the_loop_gives_a_verify_steps_time_and_tokens_to_the_speculator() -> No
     scheduler.submit(Sequence(request("b", 1, 20), sink=None))
     loop.step()  # b's prompt prefills: greedy "a" decodes plainly beside it
     assert runner_drafts(loop)[-1] is None and len(speculator.observed) == 3
+
+
+def test_a_row_count_never_timed_plainly_runs_one_plain_step_and_then_weighs_its_verify_steps() -> None:
+    speculator, budget = Speculator(SpeculativeConfig(num_tokens=4)), PrefillBudget(None, 256)
+    scheduler = Scheduler(max_batch=2, max_context=256, queue_capacity=4, queue_retry_seconds=0.5,
+                          prefill_token_budget=1024)
+    loop = DecodeLoop(SpeculatingRunner(), scheduler, FaultInjector(FaultPlan()), frozenset({15}),  # type: ignore[arg-type]
+                      lambda out: None, on_fatal=lambda exc: None, prefill_budget=budget, speculator=speculator)
+    scheduler.submit(Sequence(request("a", 0, 40), sink=None))
+    loop.step()  # the prefill
+    loop.step()  # a verify step of one row: no plain one-row step timed to weigh it against
+    assert runner_drafts(loop)[-1] is not None and budget.plain_seconds(1) is None and speculator.describe() == {}
+    loop.step()  # so this one runs plainly, and the budget times it
+    assert runner_drafts(loop)[-1] is None and budget.plain_seconds(1) is not None
+    loop.step()  # and the next verify step is weighed
+    assert runner_drafts(loop)[-1] is not None and set(speculator.describe()) == {1}
 
 
 def test_a_sampled_row_verifying_beside_a_prompt_chunk_teaches_the_speculator_nothing() -> None:
