@@ -78,8 +78,8 @@ SLICE_STALL_FACTOR 3 that is 1.5x at a full share.
 - a step's span: the sublayers that fit the share whole, then as many whole SLICE_BUCKETs of the
   next one's rows as fit what is left (at least one bucket a step), so that a step fills its
   share however large a sublayer is (`slice_stop`; step_plan.SublayerSpan). A sublayer's rows run
-  in order, each part of an attention as a prompt chunk of its own over the row's cached keys (a
-  mask, no causal skip); buckets, because the runner has oneDNN make those row counts' kernels at
+  in order, each part of an attention as a prompt chunk of its own over the row's cached keys
+  (under a mask, or from 1,024 rows in two merged parts: llama.attend_after_prefix); buckets, because the runner has oneDNN make those row counts' kernels at
   start-up (a new count cost 30-45 ms inside a step). Before (until 2026-12-06), a step held whole
   sublayers only, and a chunk was as large as kept its heavier sublayer within the share: on an
   AMD EPYC of the Zen 4 class a sublayer of its 1,280-1,408-token chunks took 14-38 ms against a
@@ -102,16 +102,19 @@ SLICE_STALL_FACTOR 3 that is 1.5x at a full share.
 - no slicing with a fixed budget (`--max-prefill-tokens N` chunks by N tokens), with no decoding
   row (nobody waits: the whole prompt runs at once), for a prompt whose log-probabilities are
   echoed, or before a decode-only step and an idle prefill have been timed.
-Measured with benchmarks/chunked_prefill.py (Xeon 207 with AMX, 4 rounds a run, medians), runs of
-this form and of the one before (chunks sized for 4 sublayers) in turn: with `--quantize auto`
+Measured with benchmarks/chunked_prefill.py (Xeon 207 with AMX, 4 rounds a run, medians), before
+spans could end inside a sublayer, runs of that form and of the one before it (chunks sized for 4
+sublayers) in turn: with `--quantize auto`
 the streams' largest gap 3.76x and 3.81x their TPOT (before: 3.77x, 3.90x; plain chunks 4.5-4.6x),
 the long prompt's TTFT 1.82x and 1.78x alone (before: 2.07x, 2.06x; plain chunks 2.2-2.7x); with
 `--quantize none` gap 4.06x and 3.32x (3.52x, 3.20x), TTFT 1.60x and 1.75x (1.86x, 1.80x). The
 4.06x is one round's 7.31x, a 166 ms gap in a round whose sliced steps took at most 67 ms.
-Why the TTFT is still over 1.6x: a step holds whole sublayers, 26 ms a layer of a 2,000-token
-chunk against a share of 28-50 ms, so steps run 2.4-2.8 decode steps where 3 are allowed; and
-the sliced work costs 1.05-1.2x an idle prefill's beside streaming rows. docs/decode-speed.md,
-"Layer-sliced prefill", has the steps' log and the forms tried, finer sublayers among them.
+Why the TTFT was still over 1.6x then: a step held whole sublayers, 26 ms a layer of a 2,000-token
+chunk against a share of 28-50 ms, so steps ran 2.4-2.8 decode steps where 3 are allowed; and the
+sliced work cost 1.05-1.2x an idle prefill's beside streaming rows. With spans ending inside a
+sublayer (AMD EPYC of the Zen 4 class, 2026-12-06) the steps run 2.83-2.90 decode steps, and the
+sliced work's 1.15-1.2x is what keeps the TTFT at 1.65-1.96x. docs/decode-speed.md, "Layer-sliced
+prefill" and "The Zen 4 class, re-measured", have the steps' logs and the forms tried.
 
 The engine gives its budget a parity measured at start-up on a CPU (runtime/build.chunk_parity,
 model/attention_cost.py: one layer's projections over a chunk's rows against its attention at
