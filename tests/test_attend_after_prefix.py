@@ -22,10 +22,13 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize(("heads", "kv_heads", "dtype", "tolerance"), [
     (4, 4, torch.float32, 2e-6), (6, 2, torch.float32, 2e-6), (9, 3, torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(("start", "length"), [(1, 1), (40, 7), (100, 300)])
+@pytest.mark.parametrize("token_major", [False, True])
 def test_the_merged_parts_are_the_masked_attention(heads: int, kv_heads: int, dtype: torch.dtype, tolerance: float,
-                                                   start: int, length: int) -> None:
+                                                   start: int, length: int, token_major: bool) -> None:
     g = torch.Generator().manual_seed(start + length + heads)
-    q = torch.randn(1, heads, length, 16, generator=g).to(dtype)
+    # the model's queries are a view of (1, T, H, D) token-major rows; the folded call reshapes them
+    q = (torch.randn(1, length, heads, 16, generator=g).transpose(1, 2) if token_major else
+         torch.randn(1, heads, length, 16, generator=g)).to(dtype)
     k, v = (torch.randn(1, kv_heads, start + length, 16, generator=g).to(dtype) for _ in range(2))
     mask = chunk_mask(PromptChunk(0, start, length), CPU)
     want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,

@@ -17,6 +17,7 @@ from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.presets import PRESETS
 from engine_service.requests import Request, SamplingParams
 from engine_service.runtime import loop as loop_module
+from engine_service.runtime import model_runner as runner_module
 from engine_service.runtime.delta import Delta
 from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import ModelRunner
@@ -222,17 +223,31 @@ class RecordingBudget(PrefillBudget):
 
     def __init__(self) -> None:
         super().__init__(None, 4096, sublayers=2 * LAYERS)
-        self.sliced: list[tuple[int, PromptChunk, int, int, float]] = []
+        self.sliced: list[tuple[int, PromptChunk, int, int, float, float | None]] = []
 
-    def observe_slice(self, decoding: int, chunk: PromptChunk, span: SublayerSpan, seconds: float) -> None:
-        self.sliced.append((decoding, chunk, span.first, span.stop, seconds))
-        super().observe_slice(decoding, chunk, span, seconds)
+    def observe_slice(self, decoding: int, chunk: PromptChunk, span: SublayerSpan, seconds: float,
+                      decode_seconds: float | None = None) -> None:
+        self.sliced.append((decoding, chunk, span.first, span.stop, seconds, decode_seconds))
+        super().observe_slice(decoding, chunk, span, seconds, decode_seconds)
+
+
+class HalfClock:
+    """Stands in for the runner's `time` module: perf_counter advances half a step a call, so the
+    decoding rows' part of a sliced step, which the runner times, takes half of STEP_SECONDS."""
+
+    def __init__(self, step: float) -> None:
+        self.calls, self.step = 0, step
+
+    def perf_counter(self) -> float:
+        self.calls += 1
+        return self.calls * self.step / 2
 
 
 def test_the_loop_tells_the_budget_each_sliced_steps_span_and_time_and_logs_it(monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.test_loop_mutants import STEP_SECONDS, Clock, Recorder
 
     monkeypatch.setattr(loop_module, "time", Clock())
+    monkeypatch.setattr(runner_module, "time", HalfClock(STEP_SECONDS))
     log = Recorder()
     monkeypatch.setattr(loop_module, "log", log)
     budget = RecordingBudget()
@@ -240,20 +255,26 @@ def test_the_loop_tells_the_budget_each_sliced_steps_span_and_time_and_logs_it(m
         prefill_budget=budget)  # a's decode steps timed first: the sliced steps are counted against them
     chunk = PromptChunk(1, 0, 64)
     assert [call[:4] for call in budget.sliced] == [(1, chunk, 0, 4), (1, chunk, 4, 8), (1, chunk, 8, 10)]
-    assert [call[4] for call in budget.sliced] == pytest.approx([STEP_SECONDS] * 3)
+    assert [x for call in budget.sliced for x in call[4:]] == pytest.approx([STEP_SECONDS, STEP_SECONDS / 2] * 3)
     events = [(level, fields) for level, event, fields in log.calls if event == "sliced_prefill_step"]
     assert [f["sublayers"] for _, f in events] == [[0, 4], [4, 8], [8, 10]]
     level, first = events[0]
-    assert level == "debug" and {k: first[k] for k in ("decoding", "tokens", "position", "sublayers", "ms")} == {
-        "decoding": 1, "tokens": 64, "position": 0, "sublayers": [0, 4], "ms": 12.3}
-    # each sliced step took no longer than a decode step: its sublayers cost nothing, held at the least
-    # 1 + 0.3 x (0.25 - 1), ..., shown to three places; the completing step's time (sublayers 8..10,
-    # the LM head, the first token) teaches the completion instead, here none beyond its sublayers
-    assert [f["slice_cost"] for _, f in events] == pytest.approx([0.775, 0.6175, 0.6175], abs=6e-4)
-    assert [f["completion_per_1k"] for _, f in events] == [None, None, 0.0]
+    assert level == "debug" and {k: first[k] for k in ("decoding", "tokens", "position", "sublayers", "ms",
+                                                       "decode_part_ms")} == {
+        "decoding": 1, "tokens": 64, "position": 0, "sublayers": [0, 4], "ms": 12.3, "decode_part_ms": 6.2}
+    # the sliced steps' halves beyond their decode parts: 4 sublayers of 64 tokens, a weight of 25.6
+    # idle tokens (attention_share 0.5, no parity), at 1 / 25.6 of a decode part each; an idle
+    # token took 1 / 12 of a decode step (a's 12-token prefill took a step). So a slice cost of
+    # 12 / 25.6 = 0.46875, averaged in: 1 + 0.3 x (0.46875 - 1) = 0.840625, then 0.7290625; the
+    # completing step (sublayers 8..10, a weight of 12.8) teaches the completion instead: its half
+    # beyond its decode part, less 12.8 x 0.7290625 / 12 of it, over 64 tokens, a thousand of them
+    assert [f["slice_cost"] for _, f in events] == pytest.approx([0.841, 0.729, 0.729], abs=6e-4)
+    completion = (1 - 12.8 * 0.7290625 / 12) / 64 * 1000
+    assert [f["completion_per_1k"] for _, f in events] == [None, None, pytest.approx(completion, abs=6e-4)]
     assert [f["rows"] for _, f in events] == [[0, 0]] * 3
     assert events[-1][1]["decode_ms"] == {1: 12.34} and set(events[-1][1]) == {
-        "decoding", "tokens", "position", "sublayers", "rows", "ms", *budget.describe()}  # the estimates of the time
+        "decoding", "tokens", "position", "sublayers", "rows", "ms", "decode_part_ms",
+        *budget.describe()}  # the estimates of the time
 
 
 def test_budget_chunks_and_slicing_change_no_token_together() -> None:
@@ -433,6 +454,23 @@ def test_a_machine_that_slows_as_a_whole_keeps_a_steps_span() -> None:
     # against the stale idle prefill's time, 37 sublayers would have taken 0.25 s
     assert budget.slice_stop(8, chunk, 0) == (18, 256)
     assert budget.describe()["slice_cost"] == pytest.approx(1.0), "as of the last sliced step"
+
+
+def test_a_sliced_steps_chunk_is_counted_against_its_own_decode_part_where_the_runner_timed_it() -> None:
+    # the machine slowed since the decode-only steps were timed (0.03125 s): this prompt's steps'
+    # decode parts take 0.04 s, and 6 sublayers of 400 tokens (a weight of 40) 0.025 s beyond them
+    chunk, span = PromptChunk(9, 0, 400), SublayerSpan(10, 16, False)
+    timed, untimed = measured(), measured()
+    for _ in range(30):
+        timed.observe_slice(8, chunk, span, 0.04 + 0.025, decode_seconds=0.04)
+        untimed.observe_slice(8, chunk, span, 0.04 + 0.025)
+    # 0.025 / 40 / 0.04 = 1/64 of a decode step a unit of weight, against an idle token's 0.016: a
+    # share of 2 x 64 = 128, 19 sublayers (126.7) and no bucket of 128 rows (2.13) of the twentieth
+    assert timed.describe()["slice_cost"] == pytest.approx(0.9765625, abs=6e-4)
+    assert timed.slice_stop(8, chunk, 0) == (19, 0)
+    # counted against the estimate, the decode part's extra 0.00875 s was the chunk's: 0.02725 s
+    # a unit over the estimate's 0.03125 x 40 decode steps, a share of 74.1, 11 sublayers
+    assert untimed.slice_stop(8, chunk, 0) == (11, 0)
 
 
 def test_a_rate_learned_beside_some_rows_is_counted_against_their_decode_step_beside_others() -> None:

@@ -91,22 +91,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 # A prompt chunk of at least this many tokens from a position past 0 attends in two parts merged
 # by their log-sum-exp (`attend_after_prefix`), not under a mask: a masked call computes every
 # query against every key, the chunk's later keys too (no causal skip). SmolLM2's heads, bfloat16,
-# 2 threads, AMD EPYC of the Zen 4 class, ms a layer, masked / merged: 1,024 tokens at 976 43.2 /
-# 34.6, 1,872 at 128 64.1 / 46.2, 512 at 512 13.0 / 13.1, 128 at 1,000 3.5 / 4.6 (two calls and
-# the merge cost more than the masked part saves); a causal 2,000 from 0: 41.9.
-SPLIT_ATTENTION_TOKENS = 1024
+# 2 threads, AMD EPYC of the Zen 4 class, medians of 9, ms, masked (the mask built too) / merged
+# with a KV head's queries folded into one call: 640 tokens at 128 8.7 / 8.0, at 512 13.3 / 12.1,
+# at 1,024 19.4 / 16.6, at 1,536 24.9 / 21.5; 512 at 128 5.9 / 6.2, at 512 9.3 / 10.4, at 1,536
+# 18.5 / 16.2; 384 at 512 6.2 / 7.6 (below 640 tokens two calls and the merge cost about what the
+# masked part wastes); 1,280 at 768 46.2 / 32.6; a causal 2,000 from 0: 38.5. Until 2026-12-06
+# (second session) the merged form repeated the keys for each query head and began at 1,024
+# tokens: 1,024 at 1,024 32.9, 1,280 at 768 36.5.
+SPLIT_ATTENTION_TOKENS = 640
 
 
 def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """The attention of q (1, H, T, D), T tokens at positions start..start+T-1 (start > 0), over
     k and v (1, KV, start + T, D) as a chunk mask says: the cached positions 0..start-1, unmasked,
     and the chunk's own causally, each by torch's CPU flash attention, which gives its log-sum-exp,
-    merged by those (the softmax over both parts). Within float rounding of the masked call."""
-    if k.shape[1] != q.shape[1]:  # a KV head for each group of query heads
-        k, v = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    merged by those (the softmax over both parts). Within float rounding of the masked call. The
+    cached part takes each KV head's group of query heads as one call's queries (H / KV heads x T
+    rows against that head's keys, none copied: unmasked, a query row is a query row); the chunk's
+    own part, causal, needs its rows in position order, so its T keys are repeated for each head."""
+    heads, kv, tokens, dim = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    prefix, prefix_lse = flash(q, k[:, :, :start], v[:, :, :start], 0.0, False)
-    own, own_lse = flash(q, k[:, :, start:], v[:, :, start:], 0.0, True)
+    prefix, prefix_lse = flash(q.reshape(1, kv, heads // kv * tokens, dim), k[:, :, :start], v[:, :, :start], 0.0,
+                               False)
+    prefix, prefix_lse = prefix.reshape(1, heads, tokens, dim), prefix_lse.reshape(1, heads, tokens)
+    own_k, own_v = k[:, :, start:], v[:, :, start:]
+    if kv != heads:  # a KV head for each group of query heads
+        own_k, own_v = own_k.repeat_interleave(heads // kv, 1), own_v.repeat_interleave(heads // kv, 1)
+    own, own_lse = flash(q, own_k, own_v, 0.0, True)
     lse = torch.logaddexp(prefix_lse, own_lse)  # (1, H, T), float32
     return (prefix * (prefix_lse - lse).exp().unsqueeze(-1) + own * (own_lse - lse).exp().unsqueeze(-1)).to(q.dtype)
 

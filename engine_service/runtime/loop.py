@@ -115,7 +115,7 @@ class DecodeLoop:
                 self._echo(p, logits.prompt[i])
         producing = plan.producing
         tokens = self._tokens(logits.sampled, plan) if producing else []
-        self._time(plan, tokens, time.perf_counter() - started)
+        self._time(plan, tokens, time.perf_counter() - started, logits.decode_seconds)
         # emit: one sequence failing is that sequence's business alone
         emitted_at = time.monotonic()
         doomed = self.faults.doomed_rows(self.steps, [e.seq.request_id for e in producing],
@@ -161,27 +161,30 @@ class DecodeLoop:
         seq, chunk = prefill.seq, prefill.chunk
         seq.controls.echo(logits, seq.request.prompt_ids[chunk.start + 1:chunk.start + chunk.length + 1])
 
-    def _time(self, plan: StepPlan, tokens: list[list[int]], seconds: float) -> None:
+    def _time(self, plan: StepPlan, tokens: list[list[int]], seconds: float, decode_seconds: float | None) -> None:
         """Give a plain step's time to the prefill budget, and a verify step's (with no prompt
         chunk) to the speculator, against a plain step's; both adapt to them. A verify step's time
-        is no measure of a decode step's."""
+        is no measure of a decode step's. `decode_seconds`: a layer-sliced step's decoding rows'
+        part, where the runner timed it."""
         if not plan.speculative:
-            self._time_prefill(plan, seconds)
+            self._time_prefill(plan, seconds, decode_seconds)
         elif not plan.prefills and self.speculator is not None:
             rows, made = len(plan.decodes), sum(len(t) for t in tokens)  # no prompt completing: the rows' alone
             self.speculator.observe(rows, made, seconds, self.prefill_budget.plain_seconds(rows))
             log.debug("verify_step", rows=rows, tokens=made, ms=round(seconds * 1000, 1),
                       payoff=self.speculator.describe())
 
-    def _time_prefill(self, plan: StepPlan, seconds: float) -> None:
+    def _time_prefill(self, plan: StepPlan, seconds: float, decode_seconds: float | None) -> None:
         """Give a plain step's time to the prefill budget, which adapts to it."""
         decoding, fed, sliced = len(plan.decodes), plan.prefill_tokens, plan.sliced
         if sliced is not None and sliced.sublayers is not None:
             span = sliced.sublayers
-            self.prefill_budget.observe_slice(decoding, sliced.chunk, span, seconds)
+            self.prefill_budget.observe_slice(decoding, sliced.chunk, span, seconds, decode_seconds)
             log.debug("sliced_prefill_step", decoding=decoding, tokens=fed, position=sliced.chunk.start,
                       sublayers=[span.first, span.stop], rows=[span.first_row, span.stop_row],
-                      ms=round(seconds * 1000, 1), **self.prefill_budget.describe())
+                      ms=round(seconds * 1000, 1),
+                      decode_part_ms=None if decode_seconds is None else round(decode_seconds * 1000, 1),
+                      **self.prefill_budget.describe())
             return
         self.prefill_budget.observe(decoding, [p.chunk for p in plan.prefills], seconds)
         if fed and decoding:

@@ -9,6 +9,7 @@ between steps."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -37,6 +38,10 @@ class StepLogits:
 
     sampled: torch.Tensor
     prompt: dict[int, torch.Tensor] = field(default_factory=dict)
+    # in a step with a layer-sliced chunk, the decoding rows' part's seconds, timed where the
+    # operators run synchronously (a CPU), else None: what the prefill budget weighs the chunk's
+    # part against (PrefillBudget.observe_slice)
+    decode_seconds: float | None = None
 
 
 class ModelRunner:
@@ -116,14 +121,17 @@ class ModelRunner:
         sliced = plan.sliced
         if sliced is None:
             return self._verify(plan.decodes, plan.prefills) if plan.speculative else self._step(plan)
-        if not plan.decodes:
-            logits = None
-        else:
+        logits, decode_seconds = None, None
+        if plan.decodes:
+            started = time.perf_counter()
             logits = self._verify(plan.decodes, ()) if plan.speculative else self._step(StepPlan(plan.decodes, ()))
+            decode_seconds = time.perf_counter() - started if self.device.type == "cpu" else None
         last = self._slice(sliced)
         if last is None:
-            return logits if logits is not None else StepLogits(torch.empty(0, 0, device=self.device))
-        return StepLogits(last if logits is None else torch.cat([logits.sampled, last]))
+            sampled = logits.sampled if logits is not None else torch.empty(0, 0, device=self.device)
+        else:
+            sampled = last if logits is None else torch.cat([logits.sampled, last])
+        return StepLogits(sampled, decode_seconds=decode_seconds)
 
     @torch.inference_mode()
     def _slice(self, prefill: Prefill) -> torch.Tensor | None:
