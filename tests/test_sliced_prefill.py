@@ -6,6 +6,7 @@ cancelled around the chunk in flight. Then the budget's sizes, the plan's rules 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -78,13 +79,16 @@ def test_spans_of_sublayers_give_the_bits_of_the_chunk_in_one_pass(spans: list[t
     [(0, 0), (0, 9), (2, 20), (3, 1), (7, 0), (9, 24), (10, 0)],  # parts of attentions and MLPs, a row alone
     [(0, 0), (0, 8), (0, 16), (1, 0), (1, 8), (1, 16), (10, 0)],  # a sublayer in three parts
 ])
-def test_spans_with_parts_of_sublayers_rows_give_the_chunk_of_whole_sublayers(cuts: list[tuple[int, int]]) -> None:
+@pytest.mark.parametrize("padded", [True, False])
+def test_spans_with_parts_of_sublayers_rows_give_the_chunk_of_whole_sublayers(cuts: list[tuple[int, int]],
+                                                                              padded: bool) -> None:
     prompt = ids(1, 65)
     long = seq("long", 65)
     long.request = replace(long.request, prompt_ids=prompt)
     out = []
     for spans in ([(0, 0), (10, 0)], cuts):
         runner = ModelRunner(model(), MAX_BATCH, MAX_CONTEXT, CPU, torch.float32)
+        runner.pad_sliced = padded  # the chunk's 25 rows run as 128, or as 25
         runner.forward(StepPlan.build([], [(long, PromptChunk(1, 0, 40))]))  # the row's first 40 positions
         chunk = PromptChunk(1, 40, 25)  # at depth: its attention reads the cached positions too
         for (first, first_row), (stop, stop_row) in zip(spans, spans[1:], strict=False):
@@ -586,6 +590,25 @@ def test_the_runner_pads_a_sliced_chunk_to_whole_buckets_within_the_context_and_
     before = wide.cache.k.clone()
     wide.warm_sliced_prefill()
     assert torch.equal(wide.cache.k, before), "the warm-up runs the projections alone"
+
+
+def test_the_warm_up_keeps_the_padding_where_a_new_row_count_costs_the_threshold_or_more(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for threshold, padded in ((math.inf, False), (-math.inf, True)):
+        monkeypatch.setattr(runner_module, "PAD_UNLESS_NEW_COUNT_MS", threshold)
+        runner = ModelRunner(model(), MAX_BATCH, MAX_CONTEXT, CPU, torch.float32)
+        measured_ms = runner.warm_sliced_prefill()
+        assert measured_ms is not None and math.isfinite(measured_ms) and runner.pad_sliced is padded
+        assert runner._padded(PromptChunk(1, 64, 129)) == PromptChunk(1, 64, 192 if padded else 129)
+    # three row counts never seen, each run twice: the least of first minus second, in ms
+    runner = ModelRunner(model(), MAX_BATCH, MAX_CONTEXT, CPU, torch.float32)
+    ticks = iter([0.0, 0.010, 0.012, 1.0, 1.004, 1.007, 2.0, 2.009, 2.011])  # excess 8, 1, 7 ms
+    monkeypatch.setattr(runner_module, "time", type("Ticks", (), {"perf_counter": staticmethod(lambda: next(ticks))}))
+    assert runner._new_count_ms(runner.model.model.layers[0]) == pytest.approx(1.0)
+    monkeypatch.setattr(runner_module, "PAD_UNLESS_NEW_COUNT_MS", 1.0)
+    ticks = iter([0.0, 0.010, 0.012, 1.0, 1.004, 1.007, 2.0, 2.009, 2.011])
+    runner.warm_sliced_prefill()
+    assert runner.pad_sliced, "a first call 1 ms dearer: at the threshold, padded"
 
 
 def test_a_span_past_the_first_with_no_output_held_for_it_is_a_plan_error() -> None:

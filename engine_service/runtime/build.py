@@ -158,8 +158,9 @@ def build_runner(cfg: EngineConfig, cpu: CpuInfo) -> BuiltRunner:
         1 + cfg.speculative_tokens if cfg.speculative == "ngram" else 0, onednn_layout_rows(cpu), amx_rows)
     if cfg.max_prefill_tokens is None:  # the adaptive budget, which layer-slices long prompts (prefill_budget.py)
         started = time.monotonic()
-        runner.warm_sliced_prefill()
-        log.info("sliced_prefill_warmed", seconds=round(time.monotonic() - started, 2))
+        new_count_ms = runner.warm_sliced_prefill()
+        log.info("sliced_prefill_warmed", seconds=round(time.monotonic() - started, 2), padded=runner.pad_sliced,
+                 new_row_count_ms=None if new_count_ms is None else round(new_count_ms, 2))
     return BuiltRunner(loaded, runner, precision, compiled_reason, chunk_parity(runner.model, cfg), attention_reason)
 
 

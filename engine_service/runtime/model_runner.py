@@ -29,6 +29,16 @@ from engine_service.scheduling.step_plan import DecodeRow, PlanError, Prefill, S
 
 log = structlog.get_logger()
 
+# a sliced chunk runs padded to whole buckets where a row count oneDNN has not seen costs a layer's
+# four projections this much or more the first time (warm_sliced_prefill). Measured: 30-45 ms a
+# count on the Xeon 207 with AMX; on an AMD EPYC of the Zen 4 class (no AMX) 0.7 ms for gate_up at
+# 80 and at 1,999 rows, and the padding's 48 rows of a 2,000-token prompt cost its sliced steps
+# 0.17 s of 2.65 (its attention 97 ms, the deepest rows) and, uncounted by the budget's weights,
+# made the steps that held them overrun: benchmarks/chunked_prefill.py, `--quantize auto`, two
+# runs each, padded / not: the streams' largest gap 3.81x and 4.42x / 3.52x and 3.54x their TPOT,
+# the long prompt's TTFT 1.90x and 1.98x / 1.74x and 1.77x alone
+PAD_UNLESS_NEW_COUNT_MS = 5.0
+
 
 @dataclass(frozen=True)
 class StepLogits:
@@ -87,6 +97,8 @@ class ModelRunner:
         # the layer-sliced chunk in flight: its sequence, its (start, length) (its row may move between
         # steps) and its last span's output (T, hidden)
         self._sliced: tuple[Sequence, tuple[int, int], torch.Tensor] | None = None
+        # a sliced chunk padded to whole SLICE_BUCKETs, unless warm_sliced_prefill found new row counts cheap
+        self.pad_sliced = True
         # what engine_ready says of the compiled step: on, off, or why it failed
         self.compiled_decode = "on" if compile_decode else "off"
         self._compiled: CompiledDecode | None = None
@@ -165,28 +177,56 @@ class ModelRunner:
     def _padded(self, chunk: PromptChunk) -> PromptChunk:
         """`chunk` padded to a multiple of SLICE_BUCKET tokens where the row has the positions (the
         budget sizes every sliced chunk so, but a prompt's last), so that its matmuls' row counts
-        are the few warm_sliced_prefill made at start-up. The padding's keys and values land past
-        the chunk, where no token attends, and the prompt's next tokens, or the generated ones,
-        overwrite them."""
+        are the few warm_sliced_prefill made at start-up; as it is where warm_sliced_prefill found
+        a new row count cheap (`pad_sliced`). The padding's keys and values land past the chunk,
+        where no token attends, and the prompt's next tokens, or the generated ones, overwrite them."""
+        if not self.pad_sliced:
+            return chunk
         bucket = -(-chunk.length // SLICE_BUCKET) * SLICE_BUCKET
         return chunk._replace(length=max(chunk.length, min(bucket, self.cache.max_context - chunk.start)))
 
-    def warm_sliced_prefill(self) -> None:
+    def warm_sliced_prefill(self) -> float | None:
         """Run the first layer's projections over each row count a sliced chunk or a part of its
         rows runs at (the multiples of SLICE_BUCKET up to the context, or up to MAX_SLICE_TOKENS
         and the rest of at most MIN_SLICE_TOKENS it may join), so that oneDNN makes its kernels for
         them now and not in a step beside decoding rows: a new count cost 30-45 ms there, against
-        20-45 ms for a 2,000-token chunk's layer itself (SmolLM2 in bfloat16, Xeon 207 with AMX)."""
+        20-45 ms for a 2,000-token chunk's layer itself (SmolLM2 in bfloat16, Xeon 207 with AMX).
+        Then, on a CPU, time what a count never seen costs the four projections the first time
+        beyond the next (`_new_count_ms`); where it is under PAD_UNLESS_NEW_COUNT_MS, a sliced
+        chunk runs unpadded (`pad_sliced`): its last rows at their own count, rather than up to
+        SLICE_BUCKET - 1 rows more through every sublayer. Returns that time, None off a CPU."""
         layer = self.model.model.layers[0]
-        hidden, width = self.model.config.hidden_size, layer.mlp.size
         for rows in range(SLICE_BUCKET, min(self.cache.max_context, MAX_SLICE_TOKENS + MIN_SLICE_TOKENS) + 1,
                           SLICE_BUCKET):
-            x = torch.zeros(1, rows, hidden, dtype=self.cache.k.dtype, device=self.device)
-            layer.self_attn.qkv(x)
-            layer.self_attn.out(torch.zeros(1, rows, layer.self_attn.heads * layer.self_attn.head_dim,
-                                            dtype=x.dtype, device=self.device))
-            layer.mlp.gate_up(x)
-            layer.mlp.down(torch.zeros(1, rows, width, dtype=x.dtype, device=self.device))
+            self._projections(layer, rows)
+        if self.device.type != "cpu":
+            return None
+        new_count_ms = self._new_count_ms(layer)
+        self.pad_sliced = new_count_ms >= PAD_UNLESS_NEW_COUNT_MS
+        return new_count_ms
+
+    def _new_count_ms(self, layer: torch.nn.Module) -> float:
+        """The least, over three row counts no call has used, of what the four projections of
+        `layer` take at one the first time beyond the second, in ms: the cost of a chunk's last
+        rows at a count of their own."""
+        excess = []
+        for rows in (SLICE_BUCKET + 1, SLICE_BUCKET + 3, SLICE_BUCKET + 5):
+            first = time.perf_counter()
+            self._projections(layer, rows)
+            second = time.perf_counter()
+            self._projections(layer, rows)
+            excess.append(2 * second - first - time.perf_counter())
+        return min(excess) * 1000
+
+    def _projections(self, layer: torch.nn.Module, rows: int) -> None:
+        """`layer`'s four projections over `rows` rows of zeros, nothing cached."""
+        hidden, width = self.model.config.hidden_size, layer.mlp.size
+        x = torch.zeros(1, rows, hidden, dtype=self.cache.k.dtype, device=self.device)
+        layer.self_attn.qkv(x)
+        layer.self_attn.out(torch.zeros(1, rows, layer.self_attn.heads * layer.self_attn.head_dim,
+                                        dtype=x.dtype, device=self.device))
+        layer.mlp.gate_up(x)
+        layer.mlp.down(torch.zeros(1, rows, width, dtype=x.dtype, device=self.device))
 
     def _step(self, plan: StepPlan) -> StepLogits:
         """A plain step's logits (no draft, no layer-sliced chunk), as `forward` lays them out."""
