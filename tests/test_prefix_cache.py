@@ -4,18 +4,14 @@ is a strict prefix of a cached one, an exact repeat, a next turn that extends a 
 conversation, distinct prompts that force eviction), arriving while others decode. Every
 configuration (cache off, on, on and tiny; one-piece and chunked prefill) must produce the same
 greedy tokens, and the cache must really have been hit (and evicted from) for that to mean
-anything. Then the store on its own, and the wire: Usage, GetLoad, Prometheus, the span."""
+anything. Then the store on its own. In-process only (make mutate runs these); the wire, Usage,
+GetLoad, Prometheus and the span, is tests/test_prefix_cache_served.py."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
-import urllib.request
 
 import pytest
 import torch
 
-from engine.v1 import engine_pb2 as pb
 from engine_service.config import EngineConfig
 from engine_service.faults import FaultInjector, FaultPlan
 from engine_service.model.kv_cache import KVCache
@@ -27,7 +23,6 @@ from engine_service.runtime.model_runner import ModelRunner
 from engine_service.scheduling.prefix_cache import BLOCK_TOKENS, PrefixCache, _runs
 from engine_service.scheduling.scheduler import Scheduler
 from engine_service.scheduling.sequence import Sequence
-from tests.engines import ROOT
 
 CPU = torch.device("cpu")
 MAX_BATCH = 3
@@ -178,6 +173,41 @@ def test_a_chain_in_scattered_slots_is_copied_back_to_its_positions(cache):
     assert torch.equal(cache.v[:, 1, :, :64], cache.v[:, 0, :, :64])
 
 
+def test_a_block_matches_only_at_its_own_depth_under_its_own_parent(cache):
+    store = PrefixCache(8 * BLOCK_TOKENS)
+    a, b, x = ids(19, 16), ids(20, 16), ids(21, 16)
+    store.offer(a + b + x, cache, 0, 48)  # three blocks: x's keys are for positions 32..47, after a and b
+    assert store.reuse(x + (1,), cache, 1) == 0, "x's tokens first are not x's block"
+    assert store.reuse(b + x + (1,), cache, 1) == 0
+    store.offer(b + x, cache, 0, 32)  # b and x at 0..31: blocks of their own, beside a's chain
+    assert store.stats().used_tokens == 5 * BLOCK_TOKENS
+    assert store.reuse(a + b + x + (1,), cache, 1) == 48 and store.reuse(b + x + (1,), cache, 1) == 32
+
+
+def test_a_parent_is_evicted_only_after_every_block_that_extends_it(cache):
+    store = PrefixCache(3 * BLOCK_TOKENS)
+    a, b, c, d, e, f = (ids(30 + i, 16) for i in range(6))
+    store.offer(a + b, cache, 0, 32)
+    store.offer(a + c, cache, 0, 32)  # a has two children; the store is full: b, c, a, oldest first
+    store.offer(d, cache, 0, 16)  # evicts b, the oldest leaf: c, a, d
+    store.offer(e, cache, 0, 16)  # evicts c, a's last child: a, d, e
+    store.offer(f, cache, 0, 16)  # a, the oldest now and a leaf, goes, not d
+    assert store.reuse(a + c + (1,), cache, 1) == 0 and store.reuse(a + (1,), cache, 1) == 0
+    assert [store.reuse(block + (1,), cache, 1) for block in (d, e, f)] == [16, 16, 16]
+
+
+def test_the_store_takes_the_caches_dtype(runner: ModelRunner):
+    kv = KVCache(runner.model.config, 2, 64, torch.bfloat16, CPU)
+    kv.k.normal_()
+    kv.v.normal_()
+    store = PrefixCache(2 * BLOCK_TOKENS)
+    store.offer(ids(22, 32), kv, 0, 32)
+    # the bytes engine_ready gives as prefix_cache_bytes: the cache's per token, not float32's
+    assert store._k is not None and store._v is not None
+    assert (store._k.dtype, store._v.dtype) == (torch.bfloat16, torch.bfloat16)
+    assert store.reuse(ids(22, 32) + (1,), kv, 1) == 32 and torch.equal(kv.k[:, 1, :, :32], kv.k[:, 0, :, :32])
+
+
 def test_slots_are_copied_in_runs_of_consecutive_ones():
     assert _runs([]) == []
     assert _runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]
@@ -197,46 +227,3 @@ def test_memory_is_bounded_by_the_capacity_whatever_is_offered(cache):
 def test_a_capacity_that_is_not_whole_blocks_is_refused_by_name(tokens):
     with pytest.raises(ValueError, match=rf"prefix_cache_tokens must be 0 \(off\) or a multiple .* got {tokens}"):
         EngineConfig(prefix_cache_tokens=tokens)
-
-
-# -- over the wire ------------------------------------------------------------------------------
-
-def test_cached_tokens_are_reported_in_usage_get_load_metrics_and_the_span(start_engine):
-    proc = start_engine("--model", "tiny", "--max-context", "256", "--prefix-cache-tokens", "512",
-                        "--metrics-port", "0")
-    prompt = list(ids(21, 60))
-    usages = []
-    for _ in range(2):
-        last = list(proc.stub().Decode(pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_new_tokens=3,
-                                                        ignore_eos=True), timeout=30))[-1]
-        usages.append((last.usage.prompt_tokens, last.usage.cached_prompt_tokens))
-    assert usages == [(60, 0), (60, 48)]
-    load = proc.load()
-    assert (load.prefix_cache_used_tokens, load.prefix_cache_capacity_tokens) == (48, 512)
-    body = urllib.request.urlopen(f"http://127.0.0.1:{proc.wait_events('metrics_started')[0]['port']}/metrics",
-                                  timeout=5).read().decode()
-    values = {line.split("{")[0]: float(line.rpartition(" ")[2]) for line in body.splitlines()
-              if line and not line.startswith("#")}
-    assert values["engine_prefix_cache_queries_total"] == 120.0
-    assert values["engine_prefix_cache_hits_total"] == 48.0
-    assert values["engine_prefix_cache_used_tokens"] == 48.0
-    assert values["engine_prefix_cache_usage"] == 48 / 512
-    finished = proc.wait_events("request_finished", count=2)
-    assert [e["cached_prompt_tokens"] for e in finished] == [0, 48]
-
-
-def test_an_engine_with_the_cache_off_reports_zero_capacity(start_engine):
-    proc = start_engine("--model", "tiny", "--prefix-cache-tokens", "0")
-    prompt = list(ids(22, 40))
-    for _ in range(2):
-        last = list(proc.stub().Decode(pb.DecodeRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_new_tokens=2),
-                                       timeout=30))[-1]
-        assert last.usage.cached_prompt_tokens == 0
-    assert (proc.load().prefix_cache_used_tokens, proc.load().prefix_cache_capacity_tokens) == (0, 0)
-
-
-def test_a_bad_prefix_cache_size_exits_2_naming_the_flag():
-    out = subprocess.run([sys.executable, "-m", "engine_service", "--model", "tiny", "--prefix-cache-tokens", "100"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2
-    assert "prefix_cache_tokens must be 0 (off) or a multiple of the block size 16, got 100" in out.stderr

@@ -281,6 +281,19 @@ def test_the_loop_tells_the_budget_each_sliced_steps_span_and_time_and_logs_it(m
         *budget.describe()}  # the estimates of the time
 
 
+def test_the_sliced_steps_log_gives_their_decoding_part_in_ms(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_loop_mutants import Clock, Recorder
+
+    monkeypatch.setattr(loop_module, "time", Clock())
+    monkeypatch.setattr(runner_module, "time", HalfClock(0.2468))  # decoding parts of 0.1234 s
+    log = Recorder()
+    monkeypatch.setattr(loop_module, "log", log)
+    run([(0, "a", ids(3, 12), 12), (3, "long", ids(5, 80), 2)], EverySlice(over=32, tokens=64, step=4),
+        prefill_budget=RecordingBudget())
+    parts = [f["decode_part_ms"] for _, event, f in log.calls if event == "sliced_prefill_step"]
+    assert parts == [123.4] * 3
+
+
 def test_budget_chunks_and_slicing_change_no_token_together() -> None:
     want = run(TRAFFIC, None)
     assert run(TRAFFIC, EverySlice(over=32, tokens=40, step=4), budget=24) == want

@@ -72,15 +72,20 @@ SLICE_STALL_FACTOR 3 that is 1.5x at a full share.
 - the step's share: (SLICE_STALL_FACTOR - 1) decode steps' worth of sublayers, at the rate the
   sliced steps have shown (a moving average of their time beyond their decode step, a unit of
   their sublayers' weight, against that decode step's time: `observe_slice`, `_weight_seconds`;
-  before one is timed, an idle prefill's rate);
+  before one is timed, an idle prefill's rate). The decode step is the step's own decoding part
+  where the runner timed it (on a CPU), else a decode-only step's estimate, which no step updates
+  while a prompt is sliced (until 2026-12-06, second session, always the estimate: 15.1-19.5 ms
+  while the parts took 14.7 at the median);
 - a sublayer's weight: an attention's tokens weigh attention_share of a layer's matmuls plus its
   attention at their positions (1 / parity a position), an MLP's the rest of the matmuls;
 - a step's span: the sublayers that fit the share whole, then as many whole SLICE_BUCKETs of the
   next one's rows as fit what is left (at least one bucket a step), so that a step fills its
   share however large a sublayer is (`slice_stop`; step_plan.SublayerSpan). A sublayer's rows run
   in order, each part of an attention as a prompt chunk of its own over the row's cached keys
-  (under a mask, or from 1,024 rows in two merged parts: llama.attend_after_prefix); buckets, because the runner has oneDNN make those row counts' kernels at
-  start-up (a new count cost 30-45 ms inside a step). Before (until 2026-12-06), a step held whole
+  (under a mask, or from 640 rows in two merged parts: llama.attend_after_prefix); buckets, because
+  the runner has oneDNN make those row counts' kernels at start-up (a new count cost 30-45 ms
+  inside a step on the Xeon 207 with AMX), and pads a chunk to whole buckets where it measured a
+  new count that dear (ModelRunner.warm_sliced_prefill; on the Zen 4 EPYC 2.2 ms, so unpadded). Before (until 2026-12-06), a step held whole
   sublayers only, and a chunk was as large as kept its heavier sublayer within the share: on an
   AMD EPYC of the Zen 4 class a sublayer of its 1,280-1,408-token chunks took 14-38 ms against a
   share of 35 ms, so every step held one sublayer, filling 40-100% of its share, or passed it (the
@@ -113,8 +118,18 @@ Why the TTFT was still over 1.6x then: a step held whole sublayers, 26 ms a laye
 chunk against a share of 28-50 ms, so steps ran 2.4-2.8 decode steps where 3 are allowed; and the
 sliced work cost 1.05-1.2x an idle prefill's beside streaming rows. With spans ending inside a
 sublayer (AMD EPYC of the Zen 4 class, 2026-12-06) the steps run 2.83-2.90 decode steps, and the
-sliced work's 1.15-1.2x is what keeps the TTFT at 1.65-1.96x. docs/decode-speed.md, "Layer-sliced
-prefill" and "The Zen 4 class, re-measured", have the steps' logs and the forms tried.
+sliced work's 1.15-1.2x is what keeps the TTFT at 1.65-1.96x. Since (the same machine, second
+session): the merged attention from 640 rows with a KV head's queries folded into one call, the
+chunk unpadded there, and the chunk counted against its step's own decoding part. A prompt's
+time with the streams, per round: its steps' decoding parts 0.58-0.62 of its TTFT alone, its
+sliced work 1.08-1.17 (in one process without the server, 1.08-1.14: the parts' attention and
+matmuls over fewer rows), the time between steps 0.04-0.09; the TTFT 1.74-1.83x alone. A step's
+time moves by half at the extremes (the median 44 ms, the slowest of 90 65-81 ms: an idle decode
+step of 8 rows alone, 600 times, 12.1 ms at the median and 18.9 at the most), so the streams'
+largest gap, the slowest step, stays at 3.5-4.4x their TPOT with steps of 2.9 decode steps, and
+larger steps (which would bring the TTFT under 1.6x only with the sliced work at an idle
+prefill's cost) would pass 4x. docs/decode-speed.md, "Layer-sliced prefill", "The Zen 4 class,
+re-measured" and "The Zen 4 class, a second session", have the steps' logs and the forms tried.
 
 The engine gives its budget a parity measured at start-up on a CPU (runtime/build.chunk_parity,
 model/attention_cost.py: one layer's projections over a chunk's rows against its attention at
