@@ -95,8 +95,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 # with a KV head's queries folded into one call: 640 tokens at 128 8.7 / 8.0, at 512 13.3 / 12.1,
 # at 1,024 19.4 / 16.6, at 1,536 24.9 / 21.5; 512 at 128 5.9 / 6.2, at 512 9.3 / 10.4, at 1,536
 # 18.5 / 16.2; 384 at 512 6.2 / 7.6 (below 640 tokens two calls and the merge cost about what the
-# masked part wastes); 1,280 at 768 46.2 / 32.6; a causal 2,000 from 0: 38.5. Until 2026-12-06
-# (second session) the merged form repeated the keys for each query head and began at 1,024
+# masked part wastes); 1,280 at 768 46.2 / 32.6; a causal 2,000 from 0: 38.5. Until later on
+# 2026-12-06 the merged form repeated the keys for each query head and began at 1,024
 # tokens: 1,024 at 1,024 32.9, 1,280 at 768 36.5.
 SPLIT_ATTENTION_TOKENS = 640
 

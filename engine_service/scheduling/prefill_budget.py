@@ -74,8 +74,8 @@ SLICE_STALL_FACTOR 3 that is 1.5x at a full share.
   their sublayers' weight, against that decode step's time: `observe_slice`, `_weight_seconds`;
   before one is timed, an idle prefill's rate). The decode step is the step's own decoding part
   where the runner timed it (on a CPU), else a decode-only step's estimate, which no step updates
-  while a prompt is sliced (until 2026-12-06, second session, always the estimate: 15.1-19.5 ms
-  while the parts took 14.7 at the median);
+  while a prompt is sliced (until later on 2026-12-06, always the estimate: 15.1-19.5 ms while
+  the parts took 14.7 at the median);
 - a sublayer's weight: an attention's tokens weigh attention_share of a layer's matmuls plus its
   attention at their positions (1 / parity a position), an MLP's the rest of the matmuls;
 - a step's span: the sublayers that fit the share whole, then as many whole SLICE_BUCKETs of the
@@ -85,8 +85,8 @@ SLICE_STALL_FACTOR 3 that is 1.5x at a full share.
   (under a mask, or from 640 rows in two merged parts: llama.attend_after_prefix); buckets, because
   the runner has oneDNN make those row counts' kernels at start-up (a new count cost 30-45 ms
   inside a step on the Xeon 207 with AMX), and pads a chunk to whole buckets where it measured a
-  new count that dear (ModelRunner.warm_sliced_prefill; on the Zen 4 EPYC 2.2 ms, so unpadded). Before (until 2026-12-06), a step held whole
-  sublayers only, and a chunk was as large as kept its heavier sublayer within the share: on an
+  new count that dear (ModelRunner.warm_sliced_prefill; on the Zen 4 EPYC 2.2 ms, so unpadded).
+  Before (until 2026-12-06), a step held whole sublayers only, and a chunk was as large as kept its heavier sublayer within the share: on an
   AMD EPYC of the Zen 4 class a sublayer of its 1,280-1,408-token chunks took 14-38 ms against a
   share of 35 ms, so every step held one sublayer, filling 40-100% of its share, or passed it (the
   late chunk's attentions, 3.2-3.4 decode steps);
@@ -118,8 +118,8 @@ Why the TTFT was still over 1.6x then: a step held whole sublayers, 26 ms a laye
 chunk against a share of 28-50 ms, so steps ran 2.4-2.8 decode steps where 3 are allowed; and the
 sliced work cost 1.05-1.2x an idle prefill's beside streaming rows. With spans ending inside a
 sublayer (AMD EPYC of the Zen 4 class, 2026-12-06) the steps run 2.83-2.90 decode steps, and the
-sliced work's 1.15-1.2x is what keeps the TTFT at 1.65-1.96x. Since (the same machine, second
-session): the merged attention from 640 rows with a KV head's queries folded into one call, the
+sliced work's 1.15-1.2x is what keeps the TTFT at 1.65-1.96x. Since (the same machine, later that
+day): the merged attention from 640 rows with a KV head's queries folded into one call, the
 chunk unpadded there, and the chunk counted against its step's own decoding part. A prompt's
 time with the streams, per round: its steps' decoding parts 0.58-0.62 of its TTFT alone, its
 sliced work 1.08-1.17 (in one process without the server, 1.08-1.14: the parts' attention and
@@ -342,9 +342,9 @@ class PrefillBudget:
         times an idle prefill's. The decode step's time is its part of this step where the runner
         timed it (`decode_seconds`), else a decode-only step's estimate: no decode-only step runs
         while a prompt is sliced, so the estimate is as old as the prompt, and the machine's speed
-        moves within it (a stale one, 19.6 ms against the 16-17 ms the steps before it took, made a
-        prompt's spans 1.2x too large and the streams' largest gap 4.3x their TPOT; AMD EPYC of the
-        Zen 4 class)."""
+        moves within it (one round on an AMD EPYC of the Zen 4 class: an estimate of 19.6 ms where the
+        streams' steps before the prompt took 17.3 ms at the median, and their largest gap 4.34x
+        that)."""
         basis = self._slice_basis(decoding)
         if basis is None:
             return  # another slicer's chunk (a test's), or nothing to count this step's cost against
