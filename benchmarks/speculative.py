@@ -11,16 +11,17 @@ the order plain, ngram on even rounds and ngram, plain on odd ones (ABBA), so th
 seconds apart:
 1. one stream: the model is asked (as a chat) to repeat a given passage of about 300 tokens
    exactly, greedy, 256 new tokens; output tok/s = tokens / (last token - request sent);
-2. 8 and 32 at once: 128 random token ids each, 64 new tokens (`--at-once-tokens`), ignore_eos
+2. 8 and 32 at once: 128 random token ids each, 256 new tokens (`--at-once-tokens`), ignore_eos
    (nothing to look up but what random text repeats by chance): output tok/s over the whole point,
    and over the window while every stream decodes (from the last stream's first token to the first
    stream's last), where there is one: a whole point's rate holds the prompts' admission too, whose
-   steps each engine's learned prefill budget sizes its own way (at 32 at once, 5.4-8.0 s of a
-   7.7-10.5 s point on an AMD EPYC of the Zen 4 class), more than speculation's own cost moves it.
+   steps each engine's learned prefill budget sizes its own way. With 64 new tokens (until
+   2026-12-06) that was 5.4-8.0 s of a 7.7-10.5 s point at 32 at once on an AMD EPYC of the Zen 4
+   class, and it moved the point more than speculation's own cost did (rounds 0.76-1.22x).
 Prints each round's figures, their ratios and the draft tokens the ngram engine accepted at each
 point, then per point the ratio of the two engines' mean tok/s over the rounds, with the median
 and range of the rounds' own ratios (targets: >= 1.8 at one stream, >= 0.95 at 8 and 32), and the
-same for the windows where every round had one.
+same over the windows, in the rounds that had one.
 """
 
 from __future__ import annotations
@@ -132,9 +133,9 @@ def main() -> None:
     parser.add_argument("--engine-args", default="", help="further engine flags for both engines")
     parser.add_argument("--tokens", default="6", help="--speculative-tokens")
     parser.add_argument("--new-tokens", type=int, default=256, help="the one stream's new tokens")
-    parser.add_argument("--at-once-tokens", type=int, default=64,
-                        help="each request's new tokens at 8 and 32 at once (the window while all decode needs "
-                             "more than the admission takes: 256 gives one at 32 on 2 cores)")
+    parser.add_argument("--at-once-tokens", type=int, default=256,
+                        help="each request's new tokens at 8 and 32 at once (64 until 2026-12-06: the points were "
+                             "mostly their prompts' admission, and at 32 no window while all decode was left)")
     parser.add_argument("--rounds", type=int, default=4, help="rounds of both engines, alternating their order")
     args = parser.parse_args()
     if args.rounds < 1 or args.new_tokens < 1 or args.at_once_tokens < 1:
