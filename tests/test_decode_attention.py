@@ -1,5 +1,6 @@
 """The decoding rows' attention kernel (engine_service/model/decode_attention.cpp, decode_attention.py):
-built with the machine's compiler for AVX2 and FMA, it computes what
+built with the machine's compiler for AVX2 and FMA, and for AVX-512 BF16 where the CPU has it (each
+build tested where it runs), it computes what
 scaled_dot_product_attention does with the decode mask, reading each row's first `lengths[r]`
 positions of the cache in place and nothing past them, at every length its 64-key blocks split
 into; refuses malformed operands by name; is checked at start-up; serves a bfloat16 model's
@@ -14,7 +15,12 @@ import torch.nn.functional as F
 
 from engine_service.config import EngineConfig
 from engine_service.machine.cpu import detect
-from engine_service.machine.precision import DECODE_ATTENTION_OFF, DECODE_ATTENTION_ON, find_cpp_compiler
+from engine_service.machine.precision import (
+    DECODE_ATTENTION_BF16_FLAGS,
+    DECODE_ATTENTION_OFF,
+    DECODE_ATTENTION_ON,
+    find_cpp_compiler,
+)
 from engine_service.model import decode_attention
 from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.config import ModelConfig
@@ -30,11 +36,19 @@ needs_kernel = pytest.mark.skipif(COMPILER is None or not {"avx2", "fma"} <= det
                                   reason="the decode attention kernel needs a C++ compiler and AVX2 with FMA")
 
 
-@pytest.fixture(scope="module")
-def kernel() -> decode_attention.DecodeAttention:
+# the AVX-512 BF16 build where this CPU runs it (precision.choose_decode_attention's rule), the AVX2 one everywhere
+THIS_BUILD = "avx512_bf16" if DECODE_ATTENTION_BF16_FLAGS <= detect().flags else "avx2"
+
+
+@pytest.fixture(scope="module", params=[
+    "avx2",
+    pytest.param("avx512_bf16", marks=pytest.mark.skipif(THIS_BUILD != "avx512_bf16",
+                                                         reason="the AVX-512 BF16 build needs avx512f and avx512_bf16")),
+])
+def kernel(request: pytest.FixtureRequest) -> decode_attention.DecodeAttention:
     assert COMPILER is not None
     # the engine's own compile cache: the library these tests load is the one their engines build, once
-    return decode_attention.load(COMPILER, cache_dir())
+    return decode_attention.load(COMPILER, cache_dir(), request.param)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -194,8 +208,8 @@ def test_a_mixed_steps_decoding_rows_take_it_traced_and_eager_alike(kernel) -> N
 def test_build_runner_serves_a_bfloat16_model_with_it_and_says_so() -> None:
     built = build_runner(EngineConfig(model="small", dtype="bfloat16", quantize="none", max_batch=4, max_context=128,
                                       compile_decode="off"), detect())
-    assert built.attention_reason == DECODE_ATTENTION_ON
-    assert built.runner.model.decode_attention == "engine_attention.decode"
+    assert built.attention_reason == DECODE_ATTENTION_ON[THIS_BUILD]
+    assert built.runner.model.decode_attention == decode_attention.KERNELS[THIS_BUILD].op.replace("::", ".")
     built = build_runner(EngineConfig(model="small", dtype="float32", quantize="none", max_batch=4, max_context=128,
                                       compile_decode="off"), detect())
     assert built.runner.model.decode_attention is None

@@ -20,6 +20,7 @@ from engine_service.machine.precision import (
     choose_onednn_weights,
     choose_q4_kernel,
     choose_quantize,
+    choose_rms_norm,
     find_cpp_compiler,
     keep_q4_kernel,
     onednn_bfloat16,
@@ -329,34 +330,61 @@ def test_the_amx_kernel_is_chosen_only_beside_the_int16_kernel_where_amx_runs(
     assert choose_amx_int4(kernel, cpu) is chosen
 
 
-OFF, ON = "torch's scaled_dot_product_attention", "the engine's kernel (AVX2, built at start-up)"
+OFF = "torch's scaled_dot_product_attention"
+ON = "the engine's kernel (AVX2, built at start-up)"
+ON_BF16 = "the engine's kernel (AVX-512 BF16, built at start-up)"
 
 
 @pytest.mark.parametrize(("dtype", "device", "cpu", "compiler", "dim", "group", "answer"), [
-    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 64, 3, (True, ON)),
-    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 128, 16, (True, ON)),
-    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 128, 1, (True, ON)),
-    ("bfloat16", "cpu:0", avx512(ZEN4), "/usr/bin/g++", 64, 3, (True, ON)),
-    ("bfloat16", "cpu", avx2("avx2 fma"), "/usr/bin/g++", 64, 3, (True, ON)),
-    ("bfloat16", "cpu", avx2("avx2"), "/usr/bin/g++", 64, 3, (False, f"{OFF}: the engine's kernel needs AVX2 and FMA")),
-    ("bfloat16", "cpu", avx2("fma"), "/usr/bin/g++", 64, 3, (False, f"{OFF}: the engine's kernel needs AVX2 and FMA")),
+    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 64, 3, ("avx512_bf16", ON_BF16)),
+    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 128, 16, ("avx512_bf16", ON_BF16)),
+    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 128, 1, ("avx512_bf16", ON_BF16)),
+    ("bfloat16", "cpu:0", avx512(ZEN4), "/usr/bin/g++", 64, 3, ("avx512_bf16", ON_BF16)),
+    # AVX-512 without its bfloat16 dot products, or the flag without AVX-512 F: the AVX2 build
+    ("bfloat16", "cpu", avx512("avx2 fma avx512f avx512_vnni"), "/usr/bin/g++", 64, 3, ("avx2", ON)),
+    ("bfloat16", "cpu", avx512("avx2 fma avx512_bf16"), "/usr/bin/g++", 64, 3, ("avx2", ON)),
+    ("bfloat16", "cpu", avx2("avx2 fma"), "/usr/bin/g++", 64, 3, ("avx2", ON)),
+    ("bfloat16", "cpu", avx2("avx2"), "/usr/bin/g++", 64, 3, (None, f"{OFF}: the engine's kernel needs AVX2 and FMA")),
+    ("bfloat16", "cpu", avx2("fma"), "/usr/bin/g++", 64, 3, (None, f"{OFF}: the engine's kernel needs AVX2 and FMA")),
     ("bfloat16", "cpu", avx512(ZEN4), None, 64, 3,
-     (False, f"{OFF}: no C++ compiler ($CXX, g++) to build the engine's kernel")),
+     (None, f"{OFF}: no C++ compiler ($CXX, g++) to build the engine's kernel")),
     ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 96, 3,
-     (False, f"{OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 query heads a KV head, the model "
+     (None, f"{OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 query heads a KV head, the model "
              "has 96 and 3")),
     ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 64, 17,
-     (False, f"{OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 query heads a KV head, the model "
+     (None, f"{OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 query heads a KV head, the model "
              "has 64 and 17")),
     ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 64, 0,
-     (False, f"{OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 query heads a KV head, the model "
+     (None, f"{OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 query heads a KV head, the model "
              "has 64 and 0")),
     ("float32", "cpu", avx512(ZEN4), "/usr/bin/g++", 64, 3,
-     (False, f"{OFF}: the engine's kernel serves bfloat16 on a CPU, this is float32 on cpu")),
+     (None, f"{OFF}: the engine's kernel serves bfloat16 on a CPU, this is float32 on cpu")),
     ("bfloat16", "cuda", avx512(ZEN4), "/usr/bin/g++", 64, 3,
-     (False, f"{OFF}: the engine's kernel serves bfloat16 on a CPU, this is bfloat16 on cuda")),
+     (None, f"{OFF}: the engine's kernel serves bfloat16 on a CPU, this is bfloat16 on cuda")),
 ])
-def test_decode_attention_takes_the_engines_kernel_for_bfloat16_where_avx2_fma_and_a_compiler_are(
+def test_decode_attention_takes_the_kernels_build_the_cpu_runs_for_bfloat16_where_a_compiler_is(
         dtype: str, device: str, cpu: CpuInfo, compiler: str | None, dim: int, group: int,
-        answer: tuple[bool, str]) -> None:
+        answer: tuple[str | None, str]) -> None:
     assert choose_decode_attention(dtype, device, cpu, compiler, dim, group) == answer
+
+
+NORM_OFF, NORM_ON = "torch's operators", "the engine's operator (AVX2, built at start-up)"
+
+
+@pytest.mark.parametrize(("dtype", "device", "cpu", "compiler", "answer"), [
+    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", (True, NORM_ON)),
+    ("bfloat16", "cpu:0", avx2("avx2 fma"), "/usr/bin/g++", (True, NORM_ON)),
+    ("bfloat16", "cpu", avx2("avx2"), "/usr/bin/g++", (False, f"{NORM_OFF}: the engine's operator needs AVX2 and FMA")),
+    ("bfloat16", "cpu", avx2("fma"), "/usr/bin/g++", (False, f"{NORM_OFF}: the engine's operator needs AVX2 and FMA")),
+    ("bfloat16", "cpu", avx512(ZEN4), None,
+     (False, f"{NORM_OFF}: no C++ compiler ($CXX, g++) to build the engine's operator")),
+    ("float32", "cpu", avx512(ZEN4), "/usr/bin/g++",
+     (False, f"{NORM_OFF}: the engine's operator serves bfloat16 on a CPU, this is float32 on cpu")),
+    ("float16", "cpu", avx512(ZEN4), "/usr/bin/g++",
+     (False, f"{NORM_OFF}: the engine's operator serves bfloat16 on a CPU, this is float16 on cpu")),
+    ("bfloat16", "cuda", avx512(ZEN4), "/usr/bin/g++",
+     (False, f"{NORM_OFF}: the engine's operator serves bfloat16 on a CPU, this is bfloat16 on cuda")),
+])
+def test_the_norms_take_the_engines_operator_for_bfloat16_on_a_cpu_with_avx2_fma_and_a_compiler(
+        dtype: str, device: str, cpu: CpuInfo, compiler: str | None, answer: tuple[bool, str]) -> None:
+    assert choose_rms_norm(dtype, device, cpu, compiler) == answer

@@ -158,27 +158,50 @@ def choose_amx_int4(kernel: str, cpu: CpuInfo) -> bool:
 
 
 DECODE_ATTENTION_OFF = "torch's scaled_dot_product_attention"  # choose_decode_attention's refusals begin so
-DECODE_ATTENTION_ON = "the engine's kernel (AVX2, built at start-up)"
+DECODE_ATTENTION_ON = {"avx2": "the engine's kernel (AVX2, built at start-up)",
+                       "avx512_bf16": "the engine's kernel (AVX-512 BF16, built at start-up)"}
+DECODE_ATTENTION_BF16_FLAGS = frozenset({"avx512f", "avx512_bf16"})
 
 
 def choose_decode_attention(dtype: str, device: str, cpu: CpuInfo, compiler: str | None, head_dim: int,
-                            group: int) -> tuple[bool, str]:
-    """(whether the engine's decode attention kernel computes the decoding rows' attention, instead of
-    torch's scaled_dot_product_attention; the reason, which engine_ready's `decode_attention`
-    carries) for a model in `dtype` whose heads have `head_dim` values and `group` query heads a KV
-    head: a bfloat16 model on a CPU with AVX2 and FMA, where a compiler can build it. Not float32,
-    whose decoding stays bit-identical to transformers' attention arithmetic. Measured on the Xeon
-    207 with AMX: model/decode_attention.py's docstring."""
+                            group: int) -> tuple[str | None, str]:
+    """(the build of the engine's decode attention kernel that computes the decoding rows' attention,
+    a key of model/decode_attention.KERNELS, or None for torch's scaled_dot_product_attention; the
+    reason, which engine_ready's `decode_attention` carries) for a model in `dtype` whose heads have
+    `head_dim` values and `group` query heads a KV head: a bfloat16 model on a CPU with AVX2 and FMA,
+    where a compiler can build it; the AVX-512 BF16 build where the CPU dots bfloat16 pairs (its keys
+    read without widening: 0.61-0.73x the AVX2 build's time a layer on an AMD EPYC of the Zen 4
+    class, docs/decode-speed.md). Not float32, whose decoding stays bit-identical to transformers'
+    attention arithmetic."""
     if dtype != "bfloat16" or not device.startswith("cpu"):
-        return False, f"{DECODE_ATTENTION_OFF}: the engine's kernel serves bfloat16 on a CPU, this is {dtype} on {device}"
+        return None, f"{DECODE_ATTENTION_OFF}: the engine's kernel serves bfloat16 on a CPU, this is {dtype} on {device}"
     if head_dim not in (64, 128) or not 1 <= group <= 16:  # decode_attention.cpp's instantiations and arrays
-        return False, (f"{DECODE_ATTENTION_OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 "
-                       f"query heads a KV head, the model has {head_dim} and {group}")
+        return None, (f"{DECODE_ATTENTION_OFF}: the engine's kernel takes heads of 64 or 128 values and 1-16 "
+                      f"query heads a KV head, the model has {head_dim} and {group}")
     if not {"avx2", "fma"} <= cpu.flags:
-        return False, f"{DECODE_ATTENTION_OFF}: the engine's kernel needs AVX2 and FMA"
+        return None, f"{DECODE_ATTENTION_OFF}: the engine's kernel needs AVX2 and FMA"
     if compiler is None:
-        return False, f"{DECODE_ATTENTION_OFF}: no C++ compiler ($CXX, g++) to build the engine's kernel"
-    return True, DECODE_ATTENTION_ON
+        return None, f"{DECODE_ATTENTION_OFF}: no C++ compiler ($CXX, g++) to build the engine's kernel"
+    build = "avx512_bf16" if DECODE_ATTENTION_BF16_FLAGS <= cpu.flags else "avx2"
+    return build, DECODE_ATTENTION_ON[build]
+
+
+RMS_NORM_OFF = "torch's operators"  # choose_rms_norm's refusals begin so
+RMS_NORM_ON = "the engine's operator (AVX2, built at start-up)"
+
+
+def choose_rms_norm(dtype: str, device: str, cpu: CpuInfo, compiler: str | None) -> tuple[bool, str]:
+    """(whether the engine's RMSNorm operator, model/rms_norm.py, computes the model's norms outside
+    the compiled step, instead of the composite of torch's operators; the reason, which
+    engine_ready's `rms_norm` carries): a bfloat16 model on a CPU with AVX2 and FMA, where a compiler
+    can build it. Not float32, whose decoding stays bit-identical to transformers'."""
+    if dtype != "bfloat16" or not device.startswith("cpu"):
+        return False, f"{RMS_NORM_OFF}: the engine's operator serves bfloat16 on a CPU, this is {dtype} on {device}"
+    if not {"avx2", "fma"} <= cpu.flags:
+        return False, f"{RMS_NORM_OFF}: the engine's operator needs AVX2 and FMA"
+    if compiler is None:
+        return False, f"{RMS_NORM_OFF}: no C++ compiler ($CXX, g++) to build the engine's operator"
+    return True, RMS_NORM_ON
 
 
 def choose_onednn_weights(dtype: str, device: str) -> bool:

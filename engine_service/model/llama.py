@@ -20,6 +20,7 @@ from engine_service.model.config import ModelConfig
 from engine_service.model.decode_attention import DecodeAttention
 from engine_service.model.kv_cache import KVCache, PromptChunk, additive_mask, chunk_mask, decode_mask
 from engine_service.model.quantize import QuantizedWeight
+from engine_service.model.rms_norm import RmsNorm
 
 
 class RMSNorm(nn.Module):
@@ -27,8 +28,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # the engine's operator where set (LlamaForCausalLM.use_rms_norm): one call, not seven
+        self.kernel: RmsNorm | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and not torch.compiler.is_compiling():  # the compiled step fuses the composite
+            return self.kernel(x, self.weight, self.eps)
         # normalised in float32 and scaled in the model's dtype, in Hugging Face's own operators:
         # the same bits as F.rms_norm, whose CPU kernel is a composite of more of them (traced, one
         # 576-wide row, 2 threads, Zen 4: 12.5 us against 18.1)
@@ -354,6 +359,13 @@ class LlamaForCausalLM(nn.Module):
         each bakes in the attention it ran."""
         for layer in self.model.layers:
             layer.self_attn.decode_kernel = kernel
+
+    def use_rms_norm(self, kernel: RmsNorm | None) -> None:
+        """Every norm outside the compiled step in `kernel` (model/rms_norm.py's operator, for a
+        bfloat16 model), or in torch's operators with None. Before any trace is made."""
+        for layer in self.model.layers:
+            layer.input_layernorm.kernel = layer.post_attention_layernorm.kernel = kernel
+        self.model.norm.kernel = kernel
 
     @property
     def decode_attention(self) -> str | None:

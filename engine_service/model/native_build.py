@@ -1,7 +1,8 @@
 """The engine's C++ kernels built at run time, with the C++ compiler the compiled step uses: the
-int4 kernels (q4_matmul.py) and decode attention (decode_attention.py). A library is compiled once
-(about 10 s) into the compile cache (compiled_decode.cache_dir, a `<source>-<digest>.so` keyed on
-the source, torch's version, the compiler and the flags) and loaded from there after."""
+int4 kernels (q4_matmul.py), decode attention (decode_attention.py) and the norms (rms_norm.py). A
+library is compiled once (about 10 s) into the compile cache (compiled_decode.cache_dir, a
+`<source>-<digest>.so` keyed on the source, torch's version, the compiler and the flags) and loaded
+from there after."""
 
 from __future__ import annotations
 

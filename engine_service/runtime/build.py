@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import structlog
 import torch
@@ -22,6 +24,7 @@ from engine_service.machine.cpu import CpuInfo, detect
 from engine_service.machine.precision import (
     AMX_INT4_ON,
     DECODE_ATTENTION_OFF,
+    RMS_NORM_OFF,
     TORCH_INT4,
     Precision,
     choose_amx_int4,
@@ -32,11 +35,12 @@ from engine_service.machine.precision import (
     choose_onednn_weights,
     choose_q4_kernel,
     choose_quantize,
+    choose_rms_norm,
     find_cpp_compiler,
     keep_q4_kernel,
     onednn_layout_rows,
 )
-from engine_service.model import decode_attention, int4_race, q4_matmul
+from engine_service.model import decode_attention, int4_race, q4_matmul, rms_norm
 from engine_service.model.attention_cost import measured_parity
 from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.config import ModelConfig
@@ -53,6 +57,8 @@ from engine_service.scheduling.prefix_cache import PrefixCache
 from engine_service.scheduling.scheduler import Scheduler
 
 log = structlog.get_logger()
+
+K = TypeVar("K")  # one of the engine's kernels' operators (_probed)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -98,7 +104,7 @@ async def build_engine(config: EngineConfig) -> Engine:
              quantize=precision.quantize, precision_reason=precision.reason, cpu=cpu.describe(),
              weight_format=loaded.weight_format, trace_decode=cfg.trace_decode, onednn_weights=runner.onednn_weights,
              compiled_decode=runner.compiled_decode, compiled_decode_reason=compiled_reason,
-             decode_attention=built.attention_reason,
+             decode_attention=built.attention_reason, rms_norm=built.norm_reason,
              speculative=cfg.speculative,
              kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
              max_prefill_tokens=cfg.max_prefill_tokens or "auto", attention_parity=round(parity),
@@ -111,7 +117,7 @@ async def build_engine(config: EngineConfig) -> Engine:
 @dataclass(frozen=True)
 class BuiltRunner:
     """What `build_runner` made: the model loaded, its runner, the precision chosen and why, and
-    what engine_ready says of the compiled one-row step and of decode attention."""
+    what engine_ready says of the compiled one-row step, of decode attention and of the norms."""
 
     loaded: LoadedModel
     runner: ModelRunner
@@ -119,6 +125,7 @@ class BuiltRunner:
     compiled_reason: str
     parity: float  # the prefill budget's attention parity: `chunk_parity`'s
     attention_reason: str  # who computes the decoding rows' attention, and why: engine_ready's decode_attention
+    norm_reason: str  # who computes the norms outside the compiled step, and why: engine_ready's rms_norm
 
 
 def chunk_parity(model: LlamaForCausalLM, config: EngineConfig) -> float:
@@ -152,6 +159,8 @@ def build_runner(cfg: EngineConfig, cpu: CpuInfo) -> BuiltRunner:
                                                        find_cpp_compiler())
     attention, attention_reason = _load_decode_attention(dtype_name, cfg.device, cpu, loaded.config)
     loaded.model.use_decode_attention(attention)  # before the runner traces and compiles its steps
+    norm, norm_reason = _load_rms_norm(dtype_name, cfg.device, cpu)
+    loaded.model.use_rms_norm(norm)  # likewise
     runner = ModelRunner(
         loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize, cfg.trace_decode, dynamic_head_bits,
         choose_onednn_weights(dtype_name, cfg.device), compiled, int4_kernel,
@@ -161,7 +170,8 @@ def build_runner(cfg: EngineConfig, cpu: CpuInfo) -> BuiltRunner:
         new_count_ms = runner.warm_sliced_prefill()
         log.info("sliced_prefill_warmed", seconds=round(time.monotonic() - started, 2), padded=runner.pad_sliced,
                  new_row_count_ms=None if new_count_ms is None else round(new_count_ms, 2))
-    return BuiltRunner(loaded, runner, precision, compiled_reason, chunk_parity(runner.model, cfg), attention_reason)
+    return BuiltRunner(loaded, runner, precision, compiled_reason, chunk_parity(runner.model, cfg), attention_reason,
+                       norm_reason)
 
 
 def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo,
@@ -223,20 +233,41 @@ def _load_decode_attention(dtype: str, device: str, cpu: CpuInfo,
     compiler = find_cpp_compiler()
     chosen, reason = choose_decode_attention(dtype, device, cpu, compiler, config.dim_per_head,
                                              config.num_attention_heads // config.num_key_value_heads)
+    if chosen is None or compiler is None:
+        return None, reason
+    kernel, failure = _probed(lambda: decode_attention.load(compiler, cache_dir(), chosen), decode_attention.probe_error,
+                              decode_attention.PROBE_TOLERANCE, "decode_attention_failed")
+    return (kernel, reason) if kernel is not None else (None, f"{DECODE_ATTENTION_OFF}: {failure}")
+
+
+def _load_rms_norm(dtype: str, device: str, cpu: CpuInfo) -> tuple[rms_norm.RmsNorm | None, str]:
+    """(the norms' operator outside the compiled step, None for torch's composite; the reason,
+    engine_ready's rms_norm): where choose_rms_norm takes it, its library built or found in the
+    compile cache, loaded, and run once against the composite (model/rms_norm.py)."""
+    compiler = find_cpp_compiler()
+    chosen, reason = choose_rms_norm(dtype, device, cpu, compiler)
     if not chosen or compiler is None:
         return None, reason
+    kernel, failure = _probed(lambda: rms_norm.load(compiler, cache_dir()), rms_norm.probe_error,
+                              rms_norm.PROBE_TOLERANCE, "rms_norm_failed")
+    return (kernel, reason) if kernel is not None else (None, f"{RMS_NORM_OFF}: {failure}")
+
+
+def _probed(load: Callable[[], K], probe: Callable[[K], float], tolerance: float, event: str) -> tuple[K | None, str]:
+    """(one of the engine's own kernels, loaded by `load` and checked once by `probe` within
+    `tolerance`; or None and why it does not serve, also logged as `event`)."""
     try:
-        kernel = decode_attention.load(compiler, cache_dir())
-        error = decode_attention.probe_error(kernel)
+        kernel = load()
+        error = probe(kernel)
     except (RuntimeError, OSError) as err:
         # the compiler's failure, torch's refusal to load the library, the cache directory's, or the
-        # kernel's own checks: torch's attention serves, as before, and engine_ready's decode_attention says why
-        log.warning("decode_attention_failed", error_type=type(err).__name__, error=str(err)[:2000])
-        return None, f"{DECODE_ATTENTION_OFF}: the engine's kernel failed ({type(err).__name__})"
-    if error > decode_attention.PROBE_TOLERANCE:
-        log.warning("decode_attention_failed", error_type="WrongResult", error=f"largest relative error {error:.3g}")
-        return None, f"{DECODE_ATTENTION_OFF}: the engine's kernel was {error:.3g} off"
-    return kernel, reason
+        # kernel's own checks: torch's operators serve, as before, and engine_ready says why
+        log.warning(event, error_type=type(err).__name__, error=str(err)[:2000])
+        return None, f"the engine's kernel failed ({type(err).__name__})"
+    if error > tolerance:
+        log.warning(event, error_type="WrongResult", error=f"largest relative error {error:.3g}")
+        return None, f"the engine's kernel was {error:.3g} off"
+    return kernel, ""
 
 
 def _engine_info(cfg: EngineConfig, loaded: LoadedModel, precision: Precision, device: torch.device,
