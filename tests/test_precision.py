@@ -17,10 +17,10 @@ from engine_service.machine.precision import (
     choose_decode_attention,
     choose_dtype,
     choose_dynamic_head,
+    choose_layer_ops,
     choose_onednn_weights,
     choose_q4_kernel,
     choose_quantize,
-    choose_rms_norm,
     find_cpp_compiler,
     keep_q4_kernel,
     onednn_bfloat16,
@@ -368,23 +368,23 @@ def test_decode_attention_takes_the_kernels_build_the_cpu_runs_for_bfloat16_wher
     assert choose_decode_attention(dtype, device, cpu, compiler, dim, group) == answer
 
 
-NORM_OFF, NORM_ON = "torch's operators", "the engine's operator (AVX2, built at start-up)"
+LAYER_OFF, LAYER_ON = "torch's operators", "the engine's operators (AVX2, built at start-up)"
 
 
 @pytest.mark.parametrize(("dtype", "device", "cpu", "compiler", "answer"), [
-    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", (True, NORM_ON)),
-    ("bfloat16", "cpu:0", avx2("avx2 fma"), "/usr/bin/g++", (True, NORM_ON)),
-    ("bfloat16", "cpu", avx2("avx2"), "/usr/bin/g++", (False, f"{NORM_OFF}: the engine's operator needs AVX2 and FMA")),
-    ("bfloat16", "cpu", avx2("fma"), "/usr/bin/g++", (False, f"{NORM_OFF}: the engine's operator needs AVX2 and FMA")),
+    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", (True, LAYER_ON)),
+    ("bfloat16", "cpu:0", avx2("avx2 fma"), "/usr/bin/g++", (True, LAYER_ON)),
+    ("bfloat16", "cpu", avx2("avx2"), "/usr/bin/g++", (False, f"{LAYER_OFF}: the engine's operators need AVX2 and FMA")),
+    ("bfloat16", "cpu", avx2("fma"), "/usr/bin/g++", (False, f"{LAYER_OFF}: the engine's operators need AVX2 and FMA")),
     ("bfloat16", "cpu", avx512(ZEN4), None,
-     (False, f"{NORM_OFF}: no C++ compiler ($CXX, g++) to build the engine's operator")),
+     (False, f"{LAYER_OFF}: no C++ compiler ($CXX, g++) to build the engine's operators")),
     ("float32", "cpu", avx512(ZEN4), "/usr/bin/g++",
-     (False, f"{NORM_OFF}: the engine's operator serves bfloat16 on a CPU, this is float32 on cpu")),
+     (False, f"{LAYER_OFF}: the engine's operators serve bfloat16 on a CPU, this is float32 on cpu")),
     ("float16", "cpu", avx512(ZEN4), "/usr/bin/g++",
-     (False, f"{NORM_OFF}: the engine's operator serves bfloat16 on a CPU, this is float16 on cpu")),
+     (False, f"{LAYER_OFF}: the engine's operators serve bfloat16 on a CPU, this is float16 on cpu")),
     ("bfloat16", "cuda", avx512(ZEN4), "/usr/bin/g++",
-     (False, f"{NORM_OFF}: the engine's operator serves bfloat16 on a CPU, this is bfloat16 on cuda")),
+     (False, f"{LAYER_OFF}: the engine's operators serve bfloat16 on a CPU, this is bfloat16 on cuda")),
 ])
-def test_the_norms_take_the_engines_operator_for_bfloat16_on_a_cpu_with_avx2_fma_and_a_compiler(
+def test_a_layers_small_operators_are_the_engines_for_bfloat16_on_a_cpu_with_avx2_fma_and_a_compiler(
         dtype: str, device: str, cpu: CpuInfo, compiler: str | None, answer: tuple[bool, str]) -> None:
-    assert choose_rms_norm(dtype, device, cpu, compiler) == answer
+    assert choose_layer_ops(dtype, device, cpu, compiler) == answer

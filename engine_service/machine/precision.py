@@ -186,22 +186,22 @@ def choose_decode_attention(dtype: str, device: str, cpu: CpuInfo, compiler: str
     return build, DECODE_ATTENTION_ON[build]
 
 
-RMS_NORM_OFF = "torch's operators"  # choose_rms_norm's refusals begin so
-RMS_NORM_ON = "the engine's operator (AVX2, built at start-up)"
+LAYER_OPS_OFF = "torch's operators"  # choose_layer_ops's refusals begin so
+LAYER_OPS_ON = "the engine's operators (AVX2, built at start-up)"
 
 
-def choose_rms_norm(dtype: str, device: str, cpu: CpuInfo, compiler: str | None) -> tuple[bool, str]:
-    """(whether the engine's RMSNorm operator, model/rms_norm.py, computes the model's norms outside
-    the compiled step, instead of the composite of torch's operators; the reason, which
-    engine_ready's `rms_norm` carries): a bfloat16 model on a CPU with AVX2 and FMA, where a compiler
-    can build it. Not float32, whose decoding stays bit-identical to transformers'."""
+def choose_layer_ops(dtype: str, device: str, cpu: CpuInfo, compiler: str | None) -> tuple[bool, str]:
+    """(whether the engine's operators for a layer's norms and cache writes,
+    model/layer_ops.py, serve outside the compiled step, instead of runs of torch's operators; the
+    reason, which engine_ready's `layer_ops` carries): a bfloat16 model on a CPU with AVX2 and FMA,
+    where a compiler can build them. Not float32, whose decoding stays bit-identical to transformers'."""
     if dtype != "bfloat16" or not device.startswith("cpu"):
-        return False, f"{RMS_NORM_OFF}: the engine's operator serves bfloat16 on a CPU, this is {dtype} on {device}"
+        return False, f"{LAYER_OPS_OFF}: the engine's operators serve bfloat16 on a CPU, this is {dtype} on {device}"
     if not {"avx2", "fma"} <= cpu.flags:
-        return False, f"{RMS_NORM_OFF}: the engine's operator needs AVX2 and FMA"
+        return False, f"{LAYER_OPS_OFF}: the engine's operators need AVX2 and FMA"
     if compiler is None:
-        return False, f"{RMS_NORM_OFF}: no C++ compiler ($CXX, g++) to build the engine's operator"
-    return True, RMS_NORM_ON
+        return False, f"{LAYER_OPS_OFF}: no C++ compiler ($CXX, g++) to build the engine's operators"
+    return True, LAYER_OPS_ON
 
 
 def choose_onednn_weights(dtype: str, device: str) -> bool:

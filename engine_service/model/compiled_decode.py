@@ -59,7 +59,8 @@ class _InputCache:
     def decode_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return positions  # one row, row 0: where it writes is its position
 
-    def write_decode(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_decode(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     write_kv: object = None) -> None:  # compiled: Attention.forward passes no write_kv
         self.k[layer].index_copy_(2, slots, k.unsqueeze(0))  # (KV, 1, D) at (1, KV, positions, D)
         self.v[layer].index_copy_(2, slots, v.unsqueeze(0))
 

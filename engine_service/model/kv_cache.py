@@ -14,12 +14,16 @@ sequence leaves or starts decoding, the scheduler keeps the packing with `move_r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from engine_service.model.config import ModelConfig
+
+# (k_cache, v_cache, slots, k, v): layer_ops.LayerOps.write_kv's signature
+WriteKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class KVCache(nn.Module):
@@ -54,10 +58,15 @@ class KVCache(nn.Module):
         head = torch.arange(heads, device=rows.device)
         return ((rows[:, None] * heads + head[None, :]) * context + positions[:, None]).reshape(-1)
 
-    def write_decode(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_decode(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     write_kv: WriteKV | None = None) -> None:
         """Layer `layer`'s keys and values of d decoding rows, `k`/`v` (KV, d, D), at `slots`
-        (`decode_slots`). One index_copy_ each: an index_put_ on (rows, positions) took 9.1 us to its
-        4.9 (traced, one row, 2 threads, Zen 4)."""
+        (`decode_slots`): in `write_kv` where given (model/layer_ops.py's, one call), else one
+        index_copy_ each (an index_put_ on (rows, positions) took 9.1 us to its 4.9, traced, one
+        row, 2 threads, Zen 4)."""
+        if write_kv is not None:
+            write_kv(self.k[layer], self.v[layer], slots, k, v)
+            return
         dim = self.k.shape[-1]
         self.k[layer].view(-1, dim).index_copy_(0, slots, k.transpose(0, 1).reshape(-1, dim))
         self.v[layer].view(-1, dim).index_copy_(0, slots, v.transpose(0, 1).reshape(-1, dim))

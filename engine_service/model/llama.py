@@ -19,8 +19,8 @@ from torch import nn
 from engine_service.model.config import ModelConfig
 from engine_service.model.decode_attention import DecodeAttention
 from engine_service.model.kv_cache import KVCache, PromptChunk, additive_mask, chunk_mask, decode_mask
+from engine_service.model.layer_ops import LayerOps
 from engine_service.model.quantize import QuantizedWeight
-from engine_service.model.rms_norm import RmsNorm
 
 
 class RMSNorm(nn.Module):
@@ -28,12 +28,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        # the engine's operator where set (LlamaForCausalLM.use_rms_norm): one call, not seven
-        self.kernel: RmsNorm | None = None
+        # the engine's operators where set (LlamaForCausalLM.use_layer_ops): one call, not seven
+        self.ops: LayerOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and not torch.compiler.is_compiling():  # the compiled step fuses the composite
-            return self.kernel(x, self.weight, self.eps)
+        if self.ops is not None and not torch.compiler.is_compiling():  # the compiled step fuses torch's
+            return self.ops.rms_norm(x, self.weight, self.eps)
         # normalised in float32 and scaled in the model's dtype, in Hugging Face's own operators:
         # the same bits as F.rms_norm, whose CPU kernel is a composite of more of them (traced, one
         # 576-wide row, 2 threads, Zen 4: 12.5 us against 18.1)
@@ -204,6 +204,7 @@ class Attention(nn.Module):
         # the decoding rows' attention, one token a row: the engine's kernel where set
         # (LlamaForCausalLM.use_decode_attention), else scaled_dot_product_attention with the mask
         self.decode_kernel: DecodeAttention | None = None
+        self.ops: LayerOps | None = None  # the engine's write_kv where set (LlamaForCausalLM.use_layer_ops)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[no-untyped-def]
         """cos/sin (B, T, 1, D). Rotary is applied to q and k together, as one tensor."""
@@ -233,7 +234,8 @@ class Attention(nn.Module):
         d = written if tail is None else written - tail.shape[0]
         outs = []
         if written:
-            cache.write_decode(self.layer, slots, k[0].narrow(1, 0, written), v[0].narrow(1, 0, written))
+            cache.write_decode(self.layer, slots, k[0].narrow(1, 0, written), v[0].narrow(1, 0, written),
+                               None if torch.compiler.is_compiling() or self.ops is None else self.ops.write_kv)
         if d:
             b, n, length = mask.shape[0], mask.shape[2], mask.shape[-1]  # type: ignore[union-attr]
             g, kv, dim = self.heads // self.kv_heads, self.kv_heads, self.head_dim
@@ -360,12 +362,14 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.decode_kernel = kernel
 
-    def use_rms_norm(self, kernel: RmsNorm | None) -> None:
-        """Every norm outside the compiled step in `kernel` (model/rms_norm.py's operator, for a
-        bfloat16 model), or in torch's operators with None. Before any trace is made."""
+    def use_layer_ops(self, ops: LayerOps | None) -> None:
+        """The layers' norms and cache writes outside the compiled step in `ops`
+        (model/layer_ops.py's operators, for a bfloat16 model), or in torch's operators with None.
+        Before any trace is made: each bakes in the operators it ran."""
         for layer in self.model.layers:
-            layer.input_layernorm.kernel = layer.post_attention_layernorm.kernel = kernel
-        self.model.norm.kernel = kernel
+            layer.input_layernorm.ops = layer.post_attention_layernorm.ops = ops
+            layer.self_attn.ops = ops
+        self.model.norm.ops = ops
 
     @property
     def decode_attention(self) -> str | None:

@@ -1,8 +1,8 @@
 """The engine's C++ kernels built at run time, with the C++ compiler the compiled step uses: the
-int4 kernels (q4_matmul.py), decode attention (decode_attention.py) and the norms (rms_norm.py). A
-library is compiled once (about 10 s) into the compile cache (compiled_decode.cache_dir, a
-`<source>-<digest>.so` keyed on the source, torch's version, the compiler and the flags) and loaded
-from there after."""
+int4 kernels (q4_matmul.py), decode attention (decode_attention.py) and a layer's small operators
+(layer_ops.py). A library is compiled once (about 10 s) into the compile cache
+(compiled_decode.cache_dir, a `<source>-<digest>.so` keyed on the source, torch's version, the
+compiler and the flags) and loaded from there after."""
 
 from __future__ import annotations
 
@@ -63,11 +63,12 @@ def compile_library(compiler: str, target: Path, kernel: Kernel) -> None:
         Path(partial).unlink(missing_ok=True)
 
 
-def load(compiler: str, cache: Path, kernel: Kernel, fake: Callable[..., torch.Tensor]) -> Path:
+def load(compiler: str, cache: Path, kernel: Kernel, fake: Callable[..., torch.Tensor] | None) -> Path:
     """Build `kernel`'s library if it is not in `cache`, and load it (once a process): then its
     operator runs. `fake` gives its output's shape and dtype from its inputs' (what torch.export,
-    the compiled step, needs of it). Raises RuntimeError (the compiler's failure, or torch's
-    refusal to load) or OSError (the cache directory's)."""
+    the compiled step, needs of it; None for a library the compiled step never calls). Raises
+    RuntimeError (the compiler's failure, or torch's refusal to load) or OSError (the cache
+    directory's)."""
     if kernel.name in _loaded:
         return _loaded[kernel.name]
     target = library_path(cache, compiler, kernel)
@@ -75,7 +76,8 @@ def load(compiler: str, cache: Path, kernel: Kernel, fake: Callable[..., torch.T
         log.info("kernel_compile_started", kernel=kernel.name, library=str(target))
         compile_library(compiler, target, kernel)
     torch.ops.load_library(str(target))
-    torch.library.register_fake(kernel.op)(fake)
+    if fake is not None:
+        torch.library.register_fake(kernel.op)(fake)
     _loaded[kernel.name] = target
     return target
 

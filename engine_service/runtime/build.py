@@ -24,7 +24,7 @@ from engine_service.machine.cpu import CpuInfo, detect
 from engine_service.machine.precision import (
     AMX_INT4_ON,
     DECODE_ATTENTION_OFF,
-    RMS_NORM_OFF,
+    LAYER_OPS_OFF,
     TORCH_INT4,
     Precision,
     choose_amx_int4,
@@ -32,15 +32,15 @@ from engine_service.machine.precision import (
     choose_decode_attention,
     choose_dtype,
     choose_dynamic_head,
+    choose_layer_ops,
     choose_onednn_weights,
     choose_q4_kernel,
     choose_quantize,
-    choose_rms_norm,
     find_cpp_compiler,
     keep_q4_kernel,
     onednn_layout_rows,
 )
-from engine_service.model import decode_attention, int4_race, q4_matmul, rms_norm
+from engine_service.model import decode_attention, int4_race, layer_ops, q4_matmul
 from engine_service.model.attention_cost import measured_parity
 from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.config import ModelConfig
@@ -104,7 +104,7 @@ async def build_engine(config: EngineConfig) -> Engine:
              quantize=precision.quantize, precision_reason=precision.reason, cpu=cpu.describe(),
              weight_format=loaded.weight_format, trace_decode=cfg.trace_decode, onednn_weights=runner.onednn_weights,
              compiled_decode=runner.compiled_decode, compiled_decode_reason=compiled_reason,
-             decode_attention=built.attention_reason, rms_norm=built.norm_reason,
+             decode_attention=built.attention_reason, layer_ops=built.layer_ops_reason,
              speculative=cfg.speculative,
              kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
              max_prefill_tokens=cfg.max_prefill_tokens or "auto", attention_parity=round(parity),
@@ -117,7 +117,7 @@ async def build_engine(config: EngineConfig) -> Engine:
 @dataclass(frozen=True)
 class BuiltRunner:
     """What `build_runner` made: the model loaded, its runner, the precision chosen and why, and
-    what engine_ready says of the compiled one-row step, of decode attention and of the norms."""
+    what engine_ready says of the compiled one-row step, of decode attention and of the layer's operators."""
 
     loaded: LoadedModel
     runner: ModelRunner
@@ -125,7 +125,8 @@ class BuiltRunner:
     compiled_reason: str
     parity: float  # the prefill budget's attention parity: `chunk_parity`'s
     attention_reason: str  # who computes the decoding rows' attention, and why: engine_ready's decode_attention
-    norm_reason: str  # who computes the norms outside the compiled step, and why: engine_ready's rms_norm
+    # who computes the norms and cache writes outside the compiled step, and why: engine_ready's layer_ops
+    layer_ops_reason: str
 
 
 def chunk_parity(model: LlamaForCausalLM, config: EngineConfig) -> float:
@@ -159,8 +160,8 @@ def build_runner(cfg: EngineConfig, cpu: CpuInfo) -> BuiltRunner:
                                                        find_cpp_compiler())
     attention, attention_reason = _load_decode_attention(dtype_name, cfg.device, cpu, loaded.config)
     loaded.model.use_decode_attention(attention)  # before the runner traces and compiles its steps
-    norm, norm_reason = _load_rms_norm(dtype_name, cfg.device, cpu)
-    loaded.model.use_rms_norm(norm)  # likewise
+    ops, layer_ops_reason = _load_layer_ops(dtype_name, cfg.device, cpu)
+    loaded.model.use_layer_ops(ops)  # likewise
     runner = ModelRunner(
         loaded.model, cfg.max_batch, cfg.max_context, device, dtype, quantize, cfg.trace_decode, dynamic_head_bits,
         choose_onednn_weights(dtype_name, cfg.device), compiled, int4_kernel,
@@ -171,7 +172,7 @@ def build_runner(cfg: EngineConfig, cpu: CpuInfo) -> BuiltRunner:
         log.info("sliced_prefill_warmed", seconds=round(time.monotonic() - started, 2), padded=runner.pad_sliced,
                  new_row_count_ms=None if new_count_ms is None else round(new_count_ms, 2))
     return BuiltRunner(loaded, runner, precision, compiled_reason, chunk_parity(runner.model, cfg), attention_reason,
-                       norm_reason)
+                       layer_ops_reason)
 
 
 def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo,
@@ -240,17 +241,17 @@ def _load_decode_attention(dtype: str, device: str, cpu: CpuInfo,
     return (kernel, reason) if kernel is not None else (None, f"{DECODE_ATTENTION_OFF}: {failure}")
 
 
-def _load_rms_norm(dtype: str, device: str, cpu: CpuInfo) -> tuple[rms_norm.RmsNorm | None, str]:
-    """(the norms' operator outside the compiled step, None for torch's composite; the reason,
-    engine_ready's rms_norm): where choose_rms_norm takes it, its library built or found in the
-    compile cache, loaded, and run once against the composite (model/rms_norm.py)."""
+def _load_layer_ops(dtype: str, device: str, cpu: CpuInfo) -> tuple[layer_ops.LayerOps | None, str]:
+    """(a layer's small operators outside the compiled step, None for torch's; the reason,
+    engine_ready's layer_ops): where choose_layer_ops takes them, their library built or found in
+    the compile cache, loaded, and a norm run once against torch's (model/layer_ops.py)."""
     compiler = find_cpp_compiler()
-    chosen, reason = choose_rms_norm(dtype, device, cpu, compiler)
+    chosen, reason = choose_layer_ops(dtype, device, cpu, compiler)
     if not chosen or compiler is None:
         return None, reason
-    kernel, failure = _probed(lambda: rms_norm.load(compiler, cache_dir()), rms_norm.probe_error,
-                              rms_norm.PROBE_TOLERANCE, "rms_norm_failed")
-    return (kernel, reason) if kernel is not None else (None, f"{RMS_NORM_OFF}: {failure}")
+    ops, failure = _probed(lambda: layer_ops.load(compiler, cache_dir()), layer_ops.probe_error,
+                           layer_ops.PROBE_TOLERANCE, "layer_ops_failed")
+    return (ops, reason) if ops is not None else (None, f"{LAYER_OPS_OFF}: {failure}")
 
 
 def _probed(load: Callable[[], K], probe: Callable[[K], float], tolerance: float, event: str) -> tuple[K | None, str]:
