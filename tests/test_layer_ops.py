@@ -1,7 +1,8 @@
 """A layer's small operators (engine_service/model/layer_ops.cpp, layer_ops.py): built with the
 machine's compiler for AVX2 and FMA, `rms_norm` computes Hugging Face's RMSNorm of bfloat16 rows as
-torch's operators do, to one rounding (bit for bit at SmolLM2's decode rows), and `write_kv` writes a
-step's keys and values where KVCache.write_decode's index_copy_ does; both refuse malformed operands
+torch's operators do, to one rounding (bit for bit at SmolLM2's decode rows), `rope` the rotary
+embedding with apply_rope's bits, and `write_kv` writes a step's keys and values where
+KVCache.write_decode's index_copy_ does; both refuse malformed operands
 by name; the norm is checked at start-up; a bfloat16 model's steps take them eager and traced alike
 (the same bits, the cache the same) but not inside the compiled step, where AOTInductor fuses
 torch's; and engine_ready says who computes them and why."""
@@ -20,7 +21,7 @@ from engine_service.model import layer_ops
 from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.config import ModelConfig
 from engine_service.model.kv_cache import KVCache
-from engine_service.model.llama import LlamaForCausalLM, RMSNorm
+from engine_service.model.llama import LlamaForCausalLM, RMSNorm, apply_rope
 from engine_service.model.traced_decode import TracedDecode
 from engine_service.runtime.build import build_runner
 from tools.local_engine import EngineProcess
@@ -94,8 +95,38 @@ def test_malformed_operands_are_refused_by_name(kernel, x: torch.Tensor, weight:
         kernel(x, weight, eps)
 
 
+@needs_kernel
+@pytest.mark.parametrize(("tokens", "dim", "heads"), [(1, 64, 12), (8, 64, 12), (300, 64, 12), (5, 128, 6), (4, 48, 3)])
+def test_rope_gives_apply_ropes_bits(ops, tokens: int, dim: int, heads: int) -> None:
+    # q and k heads as the model hands them: the first heads of the qkv projection's output, a
+    # strided view; 48 values: halves of 24, no whole vectors (the scalar path)
+    generator = torch.Generator().manual_seed(tokens + dim)
+    qk = torch.randn(1, tokens, heads + 3, dim, generator=generator).to(torch.bfloat16)[:, :, :heads]
+    table = torch.randn(2, 400, dim, generator=generator).to(torch.bfloat16)
+    positions = torch.randint(0, 400, (tokens,), generator=generator)
+    cos, sin = (t[positions].view(1, tokens, 1, dim) for t in table)
+    out = ops.rope(qk, cos, sin)
+    assert out.is_contiguous() and torch.equal(out, apply_rope(qk, cos, sin))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("change", "message"), [
+    ({"x": torch.ones(1, 2, 3, 8)}, "rope: x, cos and signed_sin must be bfloat16, got Float, BFloat16 and BFloat16"),
+    ({"x": torch.ones(2, 3, 8).bfloat16()}, "rope: x must be (B, T, H, D) with contiguous heads, got [2, 3, 8]"),
+    ({"x": torch.ones(1, 2, 3, 16).bfloat16()[..., ::2]}, "rope: x must be (B, T, H, D) with contiguous heads"),
+    ({"x": torch.ones(1, 2, 3, 7).bfloat16()}, "rope: the head size must be even, got 7"),
+    ({"cos": torch.ones(1, 3, 1, 8).bfloat16()}, "rope: cos and signed_sin must be (1, 2, 1, 8), got [1, 3, 1, 8] and [1, 2, 1, 8]"),
+])
+def test_rope_refuses_malformed_operands_by_name(ops, change: dict[str, torch.Tensor], message: str) -> None:
+    args = {"x": torch.ones(1, 2, 3, 8).bfloat16(), "cos": torch.ones(1, 2, 1, 8).bfloat16(),
+            "sin": torch.ones(1, 2, 1, 8).bfloat16()}
+    args.update(change)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        ops.rope(args["x"], args["cos"], args["sin"])
+
+
 def _with_norm(norm: layer_ops.RmsNorm) -> layer_ops.LayerOps:
-    return layer_ops.LayerOps(norm, lambda *args: None)
+    return layer_ops.LayerOps(norm, apply_rope, lambda *args: None)
 
 
 @needs_kernel
@@ -181,6 +212,7 @@ def test_a_bfloat16_models_steps_take_them_eager_and_traced_alike(ops) -> None:
     torchs_cache = cache.k.clone(), cache.v.clone()
     norms: list[torch.Size] = []
     writes: list[torch.Size] = []
+    ropes: list[torch.Size] = []
 
     def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         norms.append(x.shape)
@@ -191,7 +223,11 @@ def test_a_bfloat16_models_steps_take_them_eager_and_traced_alike(ops) -> None:
         writes.append(k.shape)
         ops.write_kv(k_cache, v_cache, slots, k, v)
 
-    model.use_layer_ops(layer_ops.LayerOps(norm, write))
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ropes.append(x.shape)
+        return ops.rope(x, cos, sin)
+
+    model.use_layer_ops(layer_ops.LayerOps(norm, rope, write))
     cache.k.zero_()
     cache.v.zero_()
     eager = _decode(model, cache, lambda t, p: model.decode(t, p, cache))
@@ -199,6 +235,7 @@ def test_a_bfloat16_models_steps_take_them_eager_and_traced_alike(ops) -> None:
     # their 3 rows in one call each (the prefill's chunks write their own)
     assert len(norms) == 4 * 5 and norms[-1] == (3, 128)
     assert writes == [(2, 3, 32)] * 3 * 2
+    assert len(ropes) == 2 * 4 and ropes[-1] == (1, 3, 6, 32)  # the prefill's layers and 3 steps'
     eager_cache = cache.k.clone(), cache.v.clone()
     assert (eager_cache[0] != 0).sum() == (torchs_cache[0] != 0).sum()  # the same slots written
     cache.k.zero_()
@@ -210,8 +247,9 @@ def test_a_bfloat16_models_steps_take_them_eager_and_traced_alike(ops) -> None:
     model.use_layer_ops(None)
     norms.clear()
     writes.clear()
+    ropes.clear()
     assert torch.equal(_decode(model, cache, lambda t, p: model.decode(t, p, cache)), torchs)
-    assert not norms and not writes
+    assert not norms and not writes and not ropes
 
 
 @needs_kernel

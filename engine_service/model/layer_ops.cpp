@@ -8,6 +8,8 @@
 //   squares, summed here in another order (8 float32 lanes, then across them), so a row's scale can
 //   differ in its last bit and a value's rounding with it: none of SmolLM2's rows of 1 to 32
 //   differed in the tests, a few in 2,000 (tests/test_layer_ops.py bounds it).
+// - rope: the rotary embedding of a step's queries and keys, the same bits as llama.apply_rope's
+//   four operators (two products, a roll, a sum).
 // - write_kv: a step's new keys and values of d rows into one layer's cache at their slots
 //   (kv_cache.KVCache.write_decode: two index_copy_ and the copies that lay the rows out for them).
 #include <ATen/ATen.h>
@@ -95,6 +97,64 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+
+// Rotary embedding of the step's queries and keys together (llama.apply_rope: x * cos +
+// roll(x, D / 2) * signed_sin, three products and sums each rounded to bfloat16 as torch's operators
+// round them, so the same bits). x (B, T, H, D), any strides but contiguous heads (the q and k heads of
+// the qkv projection's output); cos, signed_sin (1, T, 1, D) contiguous rows. Returns (B, T, H, D)
+// contiguous.
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
+                  signed_sin.scalar_type() == at::kBFloat16,
+              "rope: x, cos and signed_sin must be bfloat16, got ", x.scalar_type(), ", ", cos.scalar_type(),
+              " and ", signed_sin.scalar_type());
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1, "rope: x must be (B, T, H, D) with contiguous heads, got ", x.sizes());
+  const int64_t b = x.size(0), t = x.size(1), heads = x.size(2), d = x.size(3);
+  TORCH_CHECK(d % 2 == 0, "rope: the head size must be even, got ", d);
+  TORCH_CHECK(cos.sizes() == signed_sin.sizes() && cos.numel() == t * d && cos.size(-1) == d,
+              "rope: cos and signed_sin must be (1, ", t, ", 1, ", d, "), got ", cos.sizes(), " and ",
+              signed_sin.sizes());
+  const at::Tensor cc = cos.contiguous(), sc = signed_sin.contiguous();
+  at::Tensor out = at::empty({b, t, heads, d}, x.options());
+  const at::BFloat16* xp = x.const_data_ptr<at::BFloat16>();
+  const at::BFloat16* cp = cc.const_data_ptr<at::BFloat16>();
+  const at::BFloat16* sp = sc.const_data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t half = d / 2, sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
+  at::parallel_for(0, b * t, std::max<int64_t>(1, 16384 / (heads * d)), [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t i = bt / t, j = bt % t;
+      const at::BFloat16* c = cp + j * d;
+      const at::BFloat16* s = sp + j * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        const at::BFloat16* row = xp + i * sb + j * st + h * sh;
+        at::BFloat16* o = op + ((i * t + j) * heads + h) * d;
+        int64_t e = 0;
+        if (half % (2 * W) == 0) {  // whole vectors in each half: the rolled row is the other half
+          for (; e < d; e += 2 * W) {
+            const int64_t rolled = e < half ? e + half : e - half;
+            const auto [x0, x1] = at::vec::convert_bfloat16_float(bVec::loadu(row + e));
+            const auto [r0, r1] = at::vec::convert_bfloat16_float(bVec::loadu(row + rolled));
+            const auto [c0, c1] = at::vec::convert_bfloat16_float(bVec::loadu(c + e));
+            const auto [s0, s1] = at::vec::convert_bfloat16_float(bVec::loadu(s + e));
+            const auto [a0, a1] = at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(x0 * c0, x1 * c1));
+            const auto [q0, q1] = at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(r0 * s0, r1 * s1));
+            at::vec::convert_float_bfloat16(a0 + q0, a1 + q1).store(o + e);
+          }
+        }
+        for (; e < d; ++e) {
+          const float a = static_cast<float>(static_cast<at::BFloat16>(static_cast<float>(row[e]) *
+                                                                       static_cast<float>(c[e])));
+          const float q = static_cast<float>(static_cast<at::BFloat16>(
+              static_cast<float>(row[(e + half) % d]) * static_cast<float>(s[e])));
+          o[e] = static_cast<at::BFloat16>(a + q);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // k, v (KV, d, D), any strides but contiguous heads; slots (d * KV,) int64, row i's head h at
 // slots[i * KV + h], an index into a layer's cache seen as (rows x KV x positions, D) vectors
 void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
@@ -137,10 +197,12 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
 
 TORCH_LIBRARY(engine_layer, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor signed_sin) -> Tensor");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(engine_layer, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("rope", &rope);
   m.impl("write_kv", &write_kv);
 }

@@ -4,6 +4,7 @@ torch's operators, each with its own dispatch, of which a traced step of several
 
 - `rms_norm`: a norm in one call instead of the seven that compute Hugging Face's arithmetic
   (llama.RMSNorm); a step has 61;
+- `rope`: the rotary embedding of a step's queries and keys in one call instead of four (llama.apply_rope);
 - `write_kv`: a step's new keys and values into a layer's cache at their slots (KVCache.write_decode:
   two index_copy_ and the copies that lay the rows out for them).
 
@@ -49,6 +50,7 @@ class LayerOps:
     """The library's operators (layer_ops.cpp has their contracts)."""
 
     rms_norm: RmsNorm
+    rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, cos, signed_sin): apply_rope's
     write_kv: WriteKV  # (k_cache, v_cache, slots, k, v): KVCache.write_decode's
 
 
@@ -57,7 +59,7 @@ def load(compiler: str, cache: Path) -> LayerOps:
     compiler's failure, or torch's refusal to load) or OSError (the cache directory's)."""
     native_build.load(compiler, cache, KERNEL, None)  # never in the compiled step: no fake needed
     ops = torch.ops.engine_layer
-    return LayerOps(ops.rms_norm, ops.write_kv)
+    return LayerOps(ops.rms_norm, ops.rope, ops.write_kv)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -204,13 +204,15 @@ class Attention(nn.Module):
         # the decoding rows' attention, one token a row: the engine's kernel where set
         # (LlamaForCausalLM.use_decode_attention), else scaled_dot_product_attention with the mask
         self.decode_kernel: DecodeAttention | None = None
-        self.ops: LayerOps | None = None  # the engine's write_kv where set (LlamaForCausalLM.use_layer_ops)
+        self.ops: LayerOps | None = None  # the engine's rope and write_kv where set (LlamaForCausalLM.use_layer_ops)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[no-untyped-def]
         """cos/sin (B, T, 1, D). Rotary is applied to q and k together, as one tensor."""
         h, kv = self.heads, self.kv_heads
         qk, v = self.qkv(x).unflatten(-1, (h + 2 * kv, self.head_dim)).split((h + kv, kv), dim=2)
-        q, k = apply_rope(qk, cos, sin).split((h, kv), dim=2)  # (B, T, H + KV, D) rotated
+        rotated = (apply_rope(qk, cos, sin) if self.ops is None or torch.compiler.is_compiling()
+                   else self.ops.rope(qk, cos, sin))
+        q, k = rotated.split((h, kv), dim=2)  # (B, T, H + KV, D) rotated
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D), (B, KV, T, D) x 2
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
@@ -363,7 +365,7 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.decode_kernel = kernel
 
     def use_layer_ops(self, ops: LayerOps | None) -> None:
-        """The layers' norms and cache writes outside the compiled step in `ops`
+        """The layers' norms, rotary embeddings and cache writes outside the compiled step in `ops`
         (model/layer_ops.py's operators, for a bfloat16 model), or in torch's operators with None.
         Before any trace is made: each bakes in the operators it ran."""
         for layer in self.model.layers:
