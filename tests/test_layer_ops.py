@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import structlog
 import torch
 
 from engine_service.config import EngineConfig
@@ -23,7 +24,7 @@ from engine_service.model.config import ModelConfig
 from engine_service.model.kv_cache import KVCache
 from engine_service.model.llama import LlamaForCausalLM, RMSNorm, apply_rope
 from engine_service.model.traced_decode import TracedDecode
-from engine_service.runtime.build import build_runner
+from engine_service.runtime.build import _load_layer_ops, build_runner
 from tools.local_engine import EngineProcess
 
 CPU = torch.device("cpu")
@@ -283,3 +284,25 @@ def test_engine_ready_says_who_computes_them_and_why() -> None:
     with EngineProcess("--model", "tiny", "--dtype", "float32", "--max-context", "64") as engine:
         [ready] = engine.events_named("engine_ready")
     assert ready["layer_ops"] == f"{LAYER_OPS_OFF}: the engine's operators serve bfloat16 on a CPU, this is float32 on cpu"
+
+
+@needs_kernel  # where choose_layer_ops takes the operators, so that their load is tried
+@pytest.mark.parametrize(("load", "error", "reason", "logged"), [
+    ("raises", 0.0, "the engine's kernel failed (RuntimeError)", "RuntimeError"),
+    ("loads", 0.5, "the engine's kernel was 0.5 off", "WrongResult"),
+])
+def test_operators_that_fail_to_load_or_to_check_leave_torchs_serving_and_say_why(
+        monkeypatch: pytest.MonkeyPatch, load: str, error: float, reason: str, logged: str) -> None:
+    # runtime/build.py's one path for the engine's own kernels (decode attention's takes it too)
+    def failing_load(compiler: str, cache: object) -> layer_ops.LayerOps:
+        if load == "raises":
+            raise RuntimeError("g++ exited 1 building layer_ops.cpp")
+        return layer_ops.LayerOps(layer_ops.rms_norm, apply_rope, lambda *args: None)
+
+    monkeypatch.setattr(layer_ops, "load", failing_load)
+    monkeypatch.setattr(layer_ops, "probe_error", lambda ops: error)
+    with structlog.testing.capture_logs() as logs:
+        ops, why = _load_layer_ops("bfloat16", "cpu", detect())
+    assert ops is None and why == f"{LAYER_OPS_OFF}: {reason}"
+    [event] = [e for e in logs if e["event"] == "layer_ops_failed"]
+    assert event["error_type"] == logged and event["log_level"] == "warning"

@@ -125,7 +125,8 @@ class BuiltRunner:
     compiled_reason: str
     parity: float  # the prefill budget's attention parity: `chunk_parity`'s
     attention_reason: str  # who computes the decoding rows' attention, and why: engine_ready's decode_attention
-    # who computes the norms and cache writes outside the compiled step, and why: engine_ready's layer_ops
+    # who computes the norms, rotary embeddings and cache writes outside the compiled step, and why:
+    # engine_ready's layer_ops
     layer_ops_reason: str
 
 
