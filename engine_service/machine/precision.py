@@ -191,7 +191,7 @@ LAYER_OPS_ON = "the engine's operators (AVX2, built at start-up)"
 
 
 def choose_layer_ops(dtype: str, device: str, cpu: CpuInfo, compiler: str | None) -> tuple[bool, str]:
-    """(whether the engine's operators for a layer's norms and cache writes,
+    """(whether the engine's operators for a layer's norms, rotary embeddings and cache writes,
     model/layer_ops.py, serve outside the compiled step, instead of runs of torch's operators; the
     reason, which engine_ready's `layer_ops` carries): a bfloat16 model on a CPU with AVX2 and FMA,
     where a compiler can build them. Not float32, whose decoding stays bit-identical to transformers'."""
