@@ -28,6 +28,7 @@ from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.traced_decode import TracedDecode, TracedMixed
 from engine_service.runtime.build import build_runner
+from tests.greedy_steps import Step, greedy_logits
 from tools.local_engine import EngineProcess
 
 CPU = torch.device("cpu")
@@ -143,17 +144,11 @@ def _small(seed: int = 0) -> LlamaForCausalLM:
 CONTEXT = 160
 
 
-def _decode_runs(model: LlamaForCausalLM, cache: KVCache, step, batch: int = 5) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _decode_runs(model: LlamaForCausalLM, cache: KVCache, step: Step, batch: int = 5) -> torch.Tensor:
     generator = torch.Generator().manual_seed(batch)
     lengths = torch.tensor([3, 70, 64, 65, 100][:batch])
     prompts = torch.randint(0, 300, (batch, int(lengths.max())), generator=generator)
-    model.prefill(prompts, lengths, cache, 0)
-    tokens, positions, logits = torch.arange(batch) + 7, lengths.clone(), []
-    for _ in range(4):
-        out = step(tokens, positions)
-        logits.append(out)
-        tokens, positions = out.argmax(-1), positions + 1
-    return torch.stack(logits)
+    return greedy_logits(model, cache, step, prompts, lengths, 4)
 
 
 @needs_kernel

@@ -25,6 +25,7 @@ from engine_service.model.kv_cache import KVCache
 from engine_service.model.llama import LlamaForCausalLM, RMSNorm, apply_rope
 from engine_service.model.traced_decode import TracedDecode
 from engine_service.runtime.build import _load_layer_ops, build_runner
+from tests.greedy_steps import Step, greedy_logits
 from tools.local_engine import EngineProcess
 
 CPU = torch.device("cpu")
@@ -194,15 +195,9 @@ def _small() -> LlamaForCausalLM:
     return model
 
 
-def _decode(model: LlamaForCausalLM, cache: KVCache, step) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _decode(model: LlamaForCausalLM, cache: KVCache, step: Step) -> torch.Tensor:
     prompts = torch.randint(0, 300, (3, 20), generator=torch.Generator().manual_seed(3))
-    model.prefill(prompts, torch.tensor([20, 11, 5]), cache, 0)
-    tokens, positions, logits = torch.tensor([7, 8, 9]), torch.tensor([20, 11, 5]), []
-    for _ in range(3):
-        out = step(tokens, positions)
-        logits.append(out)
-        tokens, positions = out.argmax(-1), positions + 1
-    return torch.stack(logits)
+    return greedy_logits(model, cache, step, prompts, torch.tensor([20, 11, 5]), 3)
 
 
 @needs_kernel

@@ -17,6 +17,7 @@ from engine_service.runtime import model_runner
 from engine_service.runtime.model_runner import ModelRunner
 from engine_service.scheduling.sequence import Sequence
 from engine_service.scheduling.step_plan import StepPlan
+from tests.greedy_steps import greedy_logits
 
 CPU = torch.device("cpu")
 MAX_BATCH, CONTEXT, STEPS = 8, 96, 12
@@ -55,15 +56,8 @@ def test_traced_steps_equal_eager_steps(dtype: torch.dtype, method: str, regimes
         generator = torch.Generator().manual_seed(batch)
         lengths = torch.randint(3, 20, (batch,), generator=generator)  # different lengths: a real mask
         prompts = torch.randint(0, 256, (batch, int(lengths.max())), generator=generator)
-        runs = []
-        for step in (lambda t, p: model.decode(t, p, cache), traced):
-            model.prefill(prompts, lengths, cache, 0)
-            tokens, positions, logits = torch.arange(batch) + 7, lengths.clone(), []
-            for _ in range(STEPS):
-                out = step(tokens, positions)
-                logits.append(out)
-                tokens, positions = out.argmax(-1), positions + 1
-            runs.append(torch.stack(logits))
+        runs = [greedy_logits(model, cache, step, prompts, lengths, STEPS)
+                for step in (lambda t, p: model.decode(t, p, cache), traced)]
         assert torch.equal(runs[0], runs[1]), f"batch {batch}"
 
 
