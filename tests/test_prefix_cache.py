@@ -208,6 +208,33 @@ def test_the_store_takes_the_caches_dtype(runner: ModelRunner):
     assert store.reuse(ids(22, 32) + (1,), kv, 1) == 32 and torch.equal(kv.k[:, 1, :, :32], kv.k[:, 0, :, :32])
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_reserve_writes_the_whole_store_once_so_its_pages_are_resident_before_any_step(runner: ModelRunner):
+    kv = KVCache(runner.model.config, 2, 64, torch.bfloat16, CPU)
+    kv.k.normal_()
+    kv.v.normal_()
+    store = PrefixCache(4096 * BLOCK_TOKENS)  # the tiny model: 2 x 4,096 slots of 2 KiB, 16 MiB
+    before = _resident_bytes()
+    store.reserve(kv)
+    assert store._k is not None and store._v is not None
+    assert store._k.shape == (4096, *kv.k.shape[:1], kv.k.shape[2], BLOCK_TOKENS, kv.k.shape[4])
+    size = 2 * store._k.numel() * store._k.element_size()
+    assert size == 16 * 2**20
+    assert _resident_bytes() - before >= 0.9 * size, "written, not only allocated (torch.empty maps no page)"
+    k = store._k
+    store.reserve(kv)
+    assert store._k is k, "once"
+    store.offer(ids(23, 32), kv, 0, 32)
+    assert store.reuse(ids(23, 32) + (1,), kv, 1) == 32 and torch.equal(kv.v[:, 1, :, :32], kv.v[:, 0, :, :32])
+    off = PrefixCache(0)
+    off.reserve(kv)
+    assert off._k is None and off._v is None, "a disabled cache allocates nothing"
+
+
 def test_slots_are_copied_in_runs_of_consecutive_ones():
     assert _runs([]) == []
     assert _runs([3, 4, 5, 9, 10, 2]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1)]

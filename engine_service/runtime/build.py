@@ -95,7 +95,7 @@ async def build_engine(config: EngineConfig) -> Engine:
 
     def decode_loop(deliver: Deliver, on_fatal: FatalCallback) -> DecodeLoop:
         return DecodeLoop(runner, scheduler, FaultInjector(cfg.faults), _end_tokens(loaded), deliver, on_fatal,
-                          PrefixCache(cfg.prefix_cache_tokens), budget,
+                          built.prefix_cache, budget,
                           Speculator(SpeculativeConfig(num_tokens=cfg.speculative_tokens))
                           if cfg.speculative == "ngram" else None)
 
@@ -128,6 +128,7 @@ class BuiltRunner:
     # who computes the norms, rotary embeddings and cache writes outside the compiled step, and why:
     # engine_ready's layer_ops
     layer_ops_reason: str
+    prefix_cache: PrefixCache  # reserved for the runner's cache (PrefixCache.reserve)
 
 
 def chunk_parity(model: LlamaForCausalLM, config: EngineConfig) -> float:
@@ -172,8 +173,12 @@ def build_runner(cfg: EngineConfig, cpu: CpuInfo) -> BuiltRunner:
         new_count_ms = runner.warm_sliced_prefill()
         log.info("sliced_prefill_warmed", seconds=round(time.monotonic() - started, 2), padded=runner.pad_sliced,
                  new_row_count_ms=None if new_count_ms is None else round(new_count_ms, 2))
+    prefix_cache = PrefixCache(cfg.prefix_cache_tokens)
+    started = time.monotonic()
+    prefix_cache.reserve(runner.cache)  # here, in the loader's thread: its pages written before any step
+    log.info("prefix_cache_reserved", tokens=cfg.prefix_cache_tokens, seconds=round(time.monotonic() - started, 2))
     return BuiltRunner(loaded, runner, precision, compiled_reason, chunk_parity(runner.model, cfg), attention_reason,
-                       layer_ops_reason)
+                       layer_ops_reason, prefix_cache)
 
 
 def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo,
