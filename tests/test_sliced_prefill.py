@@ -24,10 +24,14 @@ from engine_service.runtime.loop import DecodeLoop
 from engine_service.runtime.model_runner import ModelRunner
 from engine_service.scheduling.prefill_budget import (
     MAX_COMPLETION,
+    MAX_SLICE_STALL_FACTOR,
     MAX_SLICE_TOKENS,
     MIN_SLICE_TOKENS,
     SLICE_BUCKET,
+    SLICE_GAP_BOUND,
     SLICE_STALL_FACTOR,
+    SPREAD_MIN,
+    SPREAD_WINDOW,
     PrefillBudget,
     attention_share,
 )
@@ -500,6 +504,57 @@ def test_a_rate_learned_beside_some_rows_is_counted_against_their_decode_step_be
     # the share beside 2 rows is 2 of their decode steps: a quarter of the 8 rows' (31.25): 4 sublayers, 256 rows
     assert budget.slice_stop(2, chunk, 0) == (4, 256)
     assert budget.slice_stop(8, chunk, 0) == (18, 256)
+
+
+def test_the_stall_factor_is_as_large_as_keeps_the_recent_slowest_steps_within_the_gap_bound() -> None:
+    assert (SLICE_STALL_FACTOR, SLICE_GAP_BOUND, MAX_SLICE_STALL_FACTOR) == (3.0, 3.6, 4.0)
+    assert (SPREAD_MIN, SPREAD_WINDOW) == (32, 128)
+    budget = measured()  # decode-only steps of 8 rows: 0.03125 s; 400 tokens: 6.67 a sublayer
+    chunk, decode = PromptChunk(9, 0, 400), 0.03125
+
+    def steps(n: int, ratio: float) -> None:
+        """n sliced steps, each `ratio` times the target it was sized for; at 1, its sublayers at an
+        idle prefill's cost (a weight of (factor - 1) x 62.5: 18 sublayers and 300 rows at 3, 24 and 150
+        at 3.6), so the slice cost stays 1"""
+        for _ in range(n):
+            factor = budget.describe()["slice_factor"]
+            span = SublayerSpan(0, 18, False, 0, 300) if factor == 3.0 else SublayerSpan(0, 24, False, 0, 150)
+            budget.observe_slice(8, chunk, span, ratio * factor * decode)  # type: ignore[operator]
+
+    assert budget.describe()["slice_factor"] == SLICE_STALL_FACTOR
+    assert budget.slice_stop(8, chunk, 0) == (18, 256), "a share of 125 idle tokens"
+    steps(SPREAD_MIN - 1, 1.0)
+    assert budget.describe()["slice_factor"] == SLICE_STALL_FACTOR, "too few steps timed to say how still they run"
+    steps(1, 1.0)  # steps take their target: the slowest may be 3.6 decode steps, 20% more
+    assert budget.describe()["slice_factor"] == pytest.approx(3.6)
+    assert budget.describe()["slice_cost"] == pytest.approx(1.0)
+    assert budget.slice_stop(8, chunk, 0) == (24, 128), "a share of 162.5: 24 sublayers and a bucket"
+    steps(40, 1.0)
+    assert budget.describe()["slice_factor"] == pytest.approx(3.6), "steps sized for it that take it hold it"
+    steps(1, 2.0)
+    assert budget.describe()["slice_factor"] == pytest.approx(3.6), "one stray slow step is left out"
+    steps(1, 1.5)  # a second: the streams would wait 5.4 decode steps at 3.6, so back to the least
+    assert budget.describe()["slice_factor"] == SLICE_STALL_FACTOR
+    steps(SPREAD_WINDOW - 2, 1.0)
+    assert budget.describe()["slice_factor"] == SLICE_STALL_FACTOR, "both slow steps still in the window"
+    steps(1, 1.0)
+    assert budget.describe()["slice_factor"] == pytest.approx(3.6), "the first has left it"
+    steps(SPREAD_WINDOW, 0.8)  # steps quicker than their targets: the factor would be 4.5
+    assert budget.describe()["slice_factor"] == MAX_SLICE_STALL_FACTOR
+
+
+def test_the_stall_factor_counts_steps_in_their_decoding_parts_median() -> None:
+    budget = measured()  # the decode-only estimate: 0.03125 s, but this prompt's decoding parts take 0.04
+    chunk, span = PromptChunk(9, 0, 400), SublayerSpan(10, 16, False)
+    budget.observe_slice(8, chunk, span, 3 * 0.04, decode_seconds=1.0)  # one decoding part stalled: the median leaves it
+    for _ in range(SPREAD_MIN - 1):
+        budget.observe_slice(8, chunk, span, 3 * 0.04, decode_seconds=0.04)
+    assert budget.describe()["slice_factor"] == pytest.approx(SLICE_GAP_BOUND)
+    untimed = measured()  # no decoding part timed (off a CPU): the decode-only estimate is the unit
+    for _ in range(SPREAD_MIN):
+        untimed.observe_slice(8, chunk, span, 3 * 0.03125 / 0.9)
+    assert untimed.describe()["slice_factor"] == pytest.approx(3.6 * 0.9)
+    assert "slice_factor" not in PrefillBudget(None, 4096).describe(), "no slicing, no factor"
 
 
 def test_attention_share_is_the_attention_projections_part_of_a_layers_matmuls() -> None:

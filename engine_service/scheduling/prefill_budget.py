@@ -69,7 +69,17 @@ overran (the streams' gap 4.5-4.6x, bound 4x). A sliced step pays one decode ste
 rows' fast path) and the chunk's sublayers at about an idle prefill's cost a token (2,000 or 512
 rows: the matmuls at their full rate), so the prompt waits S / (S - 1) times its work; with
 SLICE_STALL_FACTOR 3 that is 1.5x at a full share.
-- the step's share: (SLICE_STALL_FACTOR - 1) decode steps' worth of sublayers, at the rate the
+- the step's target S, the stall factor (`_stall_factor`): SLICE_STALL_FACTOR decode steps until
+  SPREAD_MIN sliced steps are timed, then as large as keeps the slowest recent ones within
+  SLICE_GAP_BOUND decode steps: of the last SPREAD_WINDOW, the SPREAD_RANK-th slowest over the
+  target it was sized for, in their decoding parts' median; held within SLICE_STALL_FACTOR and
+  MAX_SLICE_STALL_FACTOR. The streams' largest gap is the slowest step, and how far the slowest
+  runs past its target is the machine's: on the AMD EPYC of the Zen 4 class the second slowest of
+  128 ran 1.04-1.13x its target in one phase and 1.2-1.43x in another (its decoding part and its
+  sublayers slow together, for 0.3 s at a time). A fixed 3 held the gap there in the noisy phases,
+  and left the TTFT at 1.7x in the still ones, where 3.4 gave 1.59x with the gap at 3.91x (`none`,
+  one run); the factor now rises where the steps run still and stays at 3 where they do not;
+- the step's share: (S - 1) decode steps' worth of sublayers, at the rate the
   sliced steps have shown (a moving average of their time beyond their decode step, a unit of
   their sublayers' weight, against that decode step's time: `observe_slice`, `_weight_seconds`;
   before one is timed, an idle prefill's rate). The decode step is the step's own decoding part
@@ -142,6 +152,8 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
+from collections import deque
 from collections.abc import Sequence
 
 from engine_service.model.config import ModelConfig
@@ -154,7 +166,12 @@ MIN_CHUNK_COST, MAX_CHUNK_COST = 1.0, 4.0  # the learned chunk cost's bounds (on
 MIN_TOKENS = 16  # one prefix-cache block: a smaller chunk pays a step's fixed cost for little
 START_TOKENS = 96  # before the loop has timed a decode-only step and an idle prefill
 SMOOTHING = 0.3  # weight of the newest measurement in each moving average
-SLICE_STALL_FACTOR = 3.0  # a layer-sliced step's target, in decode steps (module docstring)
+SLICE_STALL_FACTOR = 3.0  # a layer-sliced step's target, in decode steps, before and at least (module docstring)
+MAX_SLICE_STALL_FACTOR = 4.0  # ... and at most, however still the steps run
+SLICE_GAP_BOUND = 3.6  # the slowest sliced steps aimed at, in decode steps (the streams' bound: 4 of their TPOT)
+SPREAD_WINDOW = 128  # the last sliced steps whose spread sizes the target (about one long prompt's)
+SPREAD_MIN = 32  # ... once this many are timed
+SPREAD_RANK = 2  # which of the window's slowest steps stands for them: the second (one stray step is left out)
 SLICE_BUCKET = 128  # a sliced chunk's tokens: a whole number of these, or the prompt's rest (the runner pads it)
 MIN_SLICE_TOKENS = 512  # a prompt with no more to go prefills in plain chunks, and no sliced chunk is smaller
 MAX_SLICE_TOKENS = 4096  # no sliced chunk is larger but by a joined rest (the runner warms its row counts up to there)
@@ -201,6 +218,10 @@ class PrefillBudget:
         self._decode: dict[int, float] = {}  # decoding rows -> seconds of a decode-only step
         self._token_idle: float | None = None  # seconds per prompt token at position 0, nothing decoding
         self._chunk_cost: dict[int, float] = {}  # decoding rows -> a prompt token beside them, in idle ones
+        # the last sliced steps, each (its seconds over the stall factor it was sized for, its decoding
+        # part's seconds), and the stall factor they set (_stall_factor)
+        self._spread: deque[tuple[float, float]] = deque(maxlen=SPREAD_WINDOW)
+        self._factor = SLICE_STALL_FACTOR
 
     def tokens(self, decoding: int, position: int) -> int:
         """The budget of a step with `decoding` rows decoding (> 0; an idle step has its own rule)
@@ -274,13 +295,24 @@ class PrefillBudget:
 
     def _slice_share(self, decoding: int) -> float | None:
         """A step's share for a sliced chunk beside `decoding` rows, in idle prefill's tokens at
-        position 0 through every layer: what (SLICE_STALL_FACTOR - 1) decode steps buy; None where
-        no slicing happens (`_slice_basis`)."""
+        position 0 through every layer: what (stall factor - 1) decode steps buy (`_stall_factor`);
+        None where no slicing happens (`_slice_basis`)."""
         basis = self._slice_basis(decoding)
         if basis is None:
             return None
         decode, token_idle = basis
-        return (SLICE_STALL_FACTOR - 1) * decode / self._weight_seconds(token_idle)
+        return (self._factor - 1) * decode / self._weight_seconds(token_idle)
+
+    def _stall_factor(self) -> float:
+        """A sliced step's target in decode steps: SLICE_STALL_FACTOR until SPREAD_MIN steps are
+        timed, then as large as keeps the slowest of the last SPREAD_WINDOW (their SPREAD_RANK-th
+        slowest, each over the target it was sized for) within SLICE_GAP_BOUND of their decoding
+        parts' median, held within SLICE_STALL_FACTOR..MAX_SLICE_STALL_FACTOR."""
+        if len(self._spread) < SPREAD_MIN:
+            return SLICE_STALL_FACTOR
+        slowest = sorted(scaled for scaled, _ in self._spread)[-SPREAD_RANK]
+        unit = statistics.median(decode for _, decode in self._spread)
+        return min(MAX_SLICE_STALL_FACTOR, max(SLICE_STALL_FACTOR, SLICE_GAP_BOUND * unit / slowest))
 
     def _weight_seconds(self, token_idle: float) -> float:
         """A sliced step's sublayers: seconds a unit of their weight now. Learned (observe_slice) as
@@ -336,8 +368,9 @@ class PrefillBudget:
 
     def observe_slice(self, decoding: int, chunk: PromptChunk, span: SublayerSpan, seconds: float,
                       decode_seconds: float | None = None) -> None:
-        """A step took `seconds` with `decoding` rows decoding and `chunk` through `span`: the
-        sliced chunk's time beyond the decode step's, a unit of the span's weight, over the decode
+        """A step took `seconds` with `decoding` rows decoding and `chunk` through `span`: its time
+        over the stall factor it was sized for, and its decoding part, join the spread that sets
+        the factor (`_stall_factor`); the sliced chunk's time beyond the decode step's, a unit of the span's weight, over the decode
         step's (`_weight_seconds`' moving average), held within MIN_SLICE_COST and MAX_SLICE_COST
         times an idle prefill's. The decode step's time is its part of this step where the runner
         timed it (`decode_seconds`), else a decode-only step's estimate: no decode-only step runs
@@ -350,6 +383,8 @@ class PrefillBudget:
             return  # another slicer's chunk (a test's), or nothing to count this step's cost against
         estimate, token_idle = basis
         decode = estimate if decode_seconds is None else decode_seconds
+        self._spread.append((seconds / self._factor, decode))
+        self._factor = self._stall_factor()
         weight = sum(self._sublayer_weight(chunk.start + first, stop - first, sub)
                      for sublayers, first, stop in span.pieces(chunk.length) for sub in sublayers)
         rate = self._weight_seconds(token_idle) / estimate  # a unit of weight's seconds, over a decode step's
@@ -379,7 +414,7 @@ class PrefillBudget:
     def describe(self) -> dict[str, object]:
         """The estimates, for logs."""
         return {"fixed": self.fixed, "parity": None if math.isinf(self.parity) else self.parity,
-                **({"slice_cost": round(self._slice_cost, 3),
+                **({"slice_cost": round(self._slice_cost, 3), "slice_factor": round(self._factor, 3),
                     "completion_per_1k": None if self._completion is None else round(self._completion * 1000, 3)}
                    if self.sublayers else {}),
                 "token_ms_idle": _ms(self._token_idle),
