@@ -9,6 +9,9 @@ GetLoad, Prometheus and the span, is tests/test_prefix_cache_served.py."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import pytest
 import torch
 
@@ -208,23 +211,31 @@ def test_the_store_takes_the_caches_dtype(runner: ModelRunner):
     assert store.reuse(ids(22, 32) + (1,), kv, 1) == 32 and torch.equal(kv.k[:, 1, :, :32], kv.k[:, 0, :, :32])
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+def _resident(t: torch.Tensor) -> float:
+    """The fraction of `t`'s pages in memory (mincore(2))."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.data_ptr() // page * page
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    vec = (ctypes.c_ubyte * ((length + page - 1) // page))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec) / len(vec)
 
 
 def test_reserve_writes_the_whole_store_once_so_its_pages_are_resident_before_any_step(runner: ModelRunner):
     kv = KVCache(runner.model.config, 2, 64, torch.bfloat16, CPU)
     kv.k.normal_()
     kv.v.normal_()
-    store = PrefixCache(4096 * BLOCK_TOKENS)  # the tiny model: 2 x 4,096 slots of 2 KiB, 16 MiB
-    before = _resident_bytes()
+    # the tiny model: 32,768 slots of 2 KiB each for keys and values, 64 MiB each: above what
+    # malloc serves from its heap, so mapped afresh, no page in memory until written
+    store = PrefixCache(32768 * BLOCK_TOKENS)
     store.reserve(kv)
     assert store._k is not None and store._v is not None
-    assert store._k.shape == (4096, *kv.k.shape[:1], kv.k.shape[2], BLOCK_TOKENS, kv.k.shape[4])
-    size = 2 * store._k.numel() * store._k.element_size()
-    assert size == 16 * 2**20
-    assert _resident_bytes() - before >= 0.9 * size, "written, not only allocated (torch.empty maps no page)"
+    assert store._k.shape == (32768, kv.k.shape[0], kv.k.shape[2], BLOCK_TOKENS, kv.k.shape[4])
+    assert store._k.numel() * store._k.element_size() == 64 * 2**20
+    assert _resident(store._k) > 0.99 and _resident(store._v) > 0.99, "written, not only allocated"
+    assert _resident(torch.empty(32 * 2**20, dtype=torch.bfloat16)) < 0.1, "what allocating alone maps"
     k = store._k
     store.reserve(kv)
     assert store._k is k, "once"
