@@ -370,9 +370,11 @@ class PrefillBudget:
                       decode_seconds: float | None = None) -> None:
         """A step took `seconds` with `decoding` rows decoding and `chunk` through `span`: its time
         over the stall factor it was sized for, and its decoding part, join the spread that sets
-        the factor (`_stall_factor`); the sliced chunk's time beyond the decode step's, a unit of the span's weight, over the decode
-        step's (`_weight_seconds`' moving average), held within MIN_SLICE_COST and MAX_SLICE_COST
-        times an idle prefill's. The decode step's time is its part of this step where the runner
+        the factor (`_stall_factor`; steps beside other row counts share one window, which only
+        holds the factor nearer 3: a slower row count's steps look slow against a faster one's
+        median); the sliced chunk's time beyond the decode step's, a unit of the span's weight,
+        over the decode step's (`_weight_seconds`' moving average), held within MIN_SLICE_COST and
+        MAX_SLICE_COST times an idle prefill's. The decode step's time is its part of this step where the runner
         timed it (`decode_seconds`), else a decode-only step's estimate: no decode-only step runs
         while a prompt is sliced, so the estimate is as old as the prompt, and the machine's speed
         moves within it (one round on an AMD EPYC of the Zen 4 class: an estimate of 19.6 ms where the
