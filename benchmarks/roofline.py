@@ -77,7 +77,7 @@ from bench_client.prompts import make_prompt
 from bench_client.rpc import EngineClient
 from bench_client.server_api import DecodeSpec, ServerInfo
 from engine_service.machine.cpu import detect
-from engine_service.machine.precision import Q4_INT16_KERNEL_ON, Q4_KERNEL_ON, choose_dynamic_head
+from engine_service.machine.precision import Q4_INT8_KERNEL_ON, Q4_INT16_KERNEL_ON, Q4_KERNEL_ON, choose_dynamic_head
 from engine_service.model.llama import LlamaForCausalLM, Packed, RMSNorm
 from engine_service.model.loader import load_model
 from engine_service.model.presets import DEFAULT_MODEL
@@ -239,7 +239,8 @@ def count_bytes(model_spec: str, info: ServerInfo, context: int) -> StepBytes:
     dynamic_head_bits, _ = choose_dynamic_head(info.quantization, "cpu", detect())  # as the engine chose on this machine
     # the engine's int4 kernels' copies where it says it serves them (their scales: float32, float16)
     int4_kernel = ("float32" if Q4_KERNEL_ON in info.precision_reason else
-                   "int16" if Q4_INT16_KERNEL_ON in info.precision_reason else "torch")
+                   "int16" if Q4_INT16_KERNEL_ON in info.precision_reason else
+                   "int8" if Q4_INT8_KERNEL_ON in info.precision_reason else "torch")
     runner = ModelRunner(loaded.model, 1, max(context, 1), device, dtype, info.quantization, trace_decode=False,
                          dynamic_head_bits=dynamic_head_bits, int4_kernel=int4_kernel)
     return decode_step_bytes(loaded.model, runner.cache.bytes_per_token(), context)

@@ -68,8 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "found (built at the first start, about 10 s, then kept beside the compiled step's library) "
                         "and it beats torch's in a start-up race on the model's largest layer (35-75 ms): a "
                         "float32 model's in the float32 one where the CPU has AVX2 and FMA, a bfloat16 model's in the "
-                        "int16 one (16-bit integer dot products) where it has AVX-512 VNNI and BF16; engine: the "
-                        "same kernels without the race; torch: torch's int4 kernel, which computes in bfloat16. "
+                        "int8 one (its rows at 8 bits a group of 32, as llama.cpp multiplies Q4_1; 8-bit integer dot "
+                        "products) where it has AVX-512 VNNI and BF16; engine: the same kernels without the race; "
+                        "int16: a bfloat16 model's in the int16 one (rows at 16 bits: closer to the bfloat16 "
+                        "model, slower), without the race; torch: torch's int4 kernel, which computes in bfloat16. "
                         "engine_ready's precision_reason says which, and the race's times")
     s = p.add_argument_group("scheduler and limits")
     s.add_argument("--max-batch", type=int, default=32, help="running sequences decoded together")

@@ -124,7 +124,7 @@ QUANTIZE_METHODS = ("none", "int8", "int4")
 QUANTIZE_CHOICES = ("auto", *QUANTIZE_METHODS)
 SPECULATIVE_METHODS = ("none", "ngram")
 COMPILE_DECODE_CHOICES = ("auto", "off")
-INT4_KERNEL_CHOICES = ("auto", "engine", "torch")
+INT4_KERNEL_CHOICES = ("auto", "engine", "int16", "torch")
 
 
 def _positive(name: str, value: int) -> None:

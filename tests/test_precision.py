@@ -235,7 +235,7 @@ def avx2(flags: str) -> CpuInfo:
     ("auto", "int4", "float32", "cpu", "avx2 fma", None,
      ("torch", "int4 layers in torch's bfloat16 kernel: no C++ compiler ($CXX, g++) to build the float32 one")),
     ("auto", "int4", "bfloat16", "cpu", "avx2 fma", "/usr/bin/g++",
-     ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
+     ("torch", "int4 layers in torch's int4 kernel: the int8 int4 kernel needs AVX-512 VNNI and BF16")),
     ("torch", "int4", "bfloat16", "cpu", "avx2 fma", "/usr/bin/g++",
      ("torch", "int4 layers in torch's int4 kernel: --int4-kernel torch")),
     ("auto", "int4", "float16", "cpu", "avx2 fma", "/usr/bin/g++", ("torch", "")),
@@ -256,28 +256,37 @@ def avx512(flags: str, capability: str = "AVX512") -> CpuInfo:
 ZEN4 = "avx2 fma avx512f avx512_vnni avx512_bf16"
 
 
+INT8_ON = "int4 layers in the int8 int4 kernel (AVX-512 VNNI, 8-bit activations a group of 32, built at start-up)"
+INT16_ON = "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up)"
+
+
 @pytest.mark.parametrize(("requested", "dtype", "cpu", "compiler", "answer"), [
-    ("auto", "bfloat16", avx512(ZEN4), "/usr/bin/g++",
-     ("int16", "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up)")),
-    ("auto", "bfloat16", avx512(f"{ZEN4} amx_bf16 amx_int8"), "/usr/bin/g++",
-     ("int16", "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up)")),
-    ("engine", "bfloat16", avx512(ZEN4), "/usr/bin/g++",
-     ("int16", "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up): --int4-kernel engine")),
+    ("auto", "bfloat16", avx512(ZEN4), "/usr/bin/g++", ("int8", INT8_ON)),
+    ("auto", "bfloat16", avx512(f"{ZEN4} amx_bf16 amx_int8"), "/usr/bin/g++", ("int8", INT8_ON)),
+    ("engine", "bfloat16", avx512(ZEN4), "/usr/bin/g++", ("int8", f"{INT8_ON}: --int4-kernel engine")),
+    ("int16", "bfloat16", avx512(ZEN4), "/usr/bin/g++", ("int16", f"{INT16_ON}: --int4-kernel int16")),
     ("torch", "bfloat16", avx512(ZEN4), "/usr/bin/g++",
      ("torch", "int4 layers in torch's int4 kernel: --int4-kernel torch")),
     ("auto", "bfloat16", avx512("avx2 fma avx512f avx512_bf16"), "/usr/bin/g++",
-     ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
+     ("torch", "int4 layers in torch's int4 kernel: the int8 int4 kernel needs AVX-512 VNNI and BF16")),
     ("auto", "bfloat16", avx512("avx2 fma avx512f avx512_vnni"), "/usr/bin/g++",
+     ("torch", "int4 layers in torch's int4 kernel: the int8 int4 kernel needs AVX-512 VNNI and BF16")),
+    ("int16", "bfloat16", avx512("avx2 fma avx512f avx512_vnni"), "/usr/bin/g++",
      ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
     # the flags, but torch's dispatch held to AVX2 (ATEN_CPU_CAPABILITY): the machine is served as AVX2
     ("auto", "bfloat16", avx512(ZEN4, capability="AVX2"), "/usr/bin/g++",
-     ("torch", "int4 layers in torch's int4 kernel: the int16 int4 kernel needs AVX-512 VNNI and BF16")),
+     ("torch", "int4 layers in torch's int4 kernel: the int8 int4 kernel needs AVX-512 VNNI and BF16")),
     ("auto", "bfloat16", avx512(ZEN4), None,
+     ("torch", "int4 layers in torch's int4 kernel: no C++ compiler ($CXX, g++) to build the int8 one")),
+    ("int16", "bfloat16", avx512(ZEN4), None,
      ("torch", "int4 layers in torch's int4 kernel: no C++ compiler ($CXX, g++) to build the int16 one")),
     ("auto", "float32", avx512(ZEN4), "/usr/bin/g++",
      ("float32", "int4 layers in the float32 int4 kernel (AVX2, built at start-up)")),
+    # a float32 model's layers have the one engine kernel: int16 asks for it without the race, as engine does
+    ("int16", "float32", avx512(ZEN4), "/usr/bin/g++",
+     ("float32", "int4 layers in the float32 int4 kernel (AVX2, built at start-up): --int4-kernel int16")),
 ])
-def test_the_int16_kernel_serves_a_bfloat16_models_int4_layers_where_vnni_bf16_and_a_compiler_are(
+def test_the_int8_kernel_serves_a_bfloat16_models_int4_layers_where_vnni_bf16_and_a_compiler_are(
         requested: str, dtype: str, cpu: CpuInfo, compiler: str | None, answer: tuple[str, str]) -> None:
     assert choose_q4_kernel(requested, "int4", dtype, "cpu", cpu, compiler) == answer
 
@@ -321,10 +330,12 @@ def test_the_onednn_copies_are_laid_out_for_64_rows_where_amx_runs_them(text: st
     ("int16", {"avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}, "ALL", True),
     ("int16", {"avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}, "AVX512_CORE_BF16", False),  # oneDNN held below AMX
     ("int16", {"avx512f", "avx512_vnni", "avx512_bf16"}, "", False),  # no AMX (Zen 4)
+    ("int8", {"avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}, "", True),  # the same copies
+    ("int8", {"avx512f", "avx512_vnni", "avx512_bf16"}, "", False),
     ("torch", {"avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}, "", False),  # the race kept torch's kernel
     ("float32", {"avx2", "fma", "amx_bf16"}, "", False),
 ])
-def test_the_amx_kernel_is_chosen_only_beside_the_int16_kernel_where_amx_runs(
+def test_the_amx_kernel_is_chosen_only_beside_the_int16_or_int8_kernel_where_amx_runs(
         kernel: str, flags: set[str], isa: str, chosen: bool) -> None:
     cpu = CpuInfo(capability="AVX512", flags=frozenset(flags), model_name="test", onednn_max_isa=isa)
     assert choose_amx_int4(kernel, cpu) is chosen

@@ -100,40 +100,44 @@ def choose_dynamic_head(quantize: str, device: str, cpu: CpuInfo) -> tuple[int, 
 Q4_KERNEL_ON = "int4 layers in the float32 int4 kernel (AVX2, built at start-up)"  # choose_q4_kernel's float32
 # choose_q4_kernel's int16
 Q4_INT16_KERNEL_ON = "int4 layers in the int16 int4 kernel (AVX-512 VNNI, built at start-up)"
-INT16_KERNEL_FLAGS = frozenset({"avx512f", "avx512_vnni", "avx512_bf16"})
-KERNEL_ON = {"float32": Q4_KERNEL_ON, "int16": Q4_INT16_KERNEL_ON}
+# choose_q4_kernel's int8
+Q4_INT8_KERNEL_ON = "int4 layers in the int8 int4 kernel (AVX-512 VNNI, 8-bit activations a group of 32, built at start-up)"
+INT16_KERNEL_FLAGS = frozenset({"avx512f", "avx512_vnni", "avx512_bf16"})  # the int8 kernel's too
+KERNEL_ON = {"float32": Q4_KERNEL_ON, "int16": Q4_INT16_KERNEL_ON, "int8": Q4_INT8_KERNEL_ON}
 # torch's int4 kernel, as a float32 model's calls meet it (cast to bfloat16) and as a bfloat16 model's do
-TORCH_INT4 = {"float32": "torch's bfloat16 kernel", "int16": "torch's int4 kernel"}
+TORCH_INT4 = {"float32": "torch's bfloat16 kernel", "int16": "torch's int4 kernel", "int8": "torch's int4 kernel"}
 
 
 def choose_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo,
                      compiler: str | None) -> tuple[str, str]:
-    """(who multiplies the int4 layers, quantize.INT4_KERNELS: torch, float32 or int16, the engine's
-    kernels in model/q4_matmul.py; reason, "" where the question does not arise) for `--int4-kernel
-    requested` (auto, engine or torch) of a model in `dtype` served with `quantize`: a float32
-    model's layers in the float32 kernel on a CPU with AVX2 and FMA, a bfloat16 model's in the int16
-    one on a CPU with AVX-512 VNNI and BF16 (torch's own dispatch at AVX-512), where a compiler can
-    build them. With auto, the kernel named still has to win the start-up race (`keep_q4_kernel`)."""
+    """(who multiplies the int4 layers, quantize.INT4_KERNELS: torch, float32, int16 or int8, the
+    engine's kernels in model/q4_matmul.py; reason, "" where the question does not arise) for
+    `--int4-kernel requested` (auto, engine, int16 or torch) of a model in `dtype` served with
+    `quantize`: a float32 model's layers in the float32 kernel on a CPU with AVX2 and FMA, a bfloat16
+    model's in the int8 one on a CPU with AVX-512 VNNI and BF16 (torch's own dispatch at AVX-512),
+    where a compiler can build them; `int16`: a bfloat16 model's in the int16 one, its rows at 16
+    bits rather than 8 (a float32 model's as with engine). With auto, the kernel named still has to
+    win the start-up race (`keep_q4_kernel`)."""
     if quantize != "int4" or dtype not in ("float32", "bfloat16") or not device.startswith("cpu"):
         return "torch", ""
     if dtype == "float32":
         kernel, needs, needed = "float32", {"avx2", "fma"}, "AVX2 and FMA"
     else:
-        kernel, needs, needed = "int16", INT16_KERNEL_FLAGS, "AVX-512 VNNI and BF16"
+        kernel, needs, needed = "int16" if requested == "int16" else "int8", INT16_KERNEL_FLAGS, "AVX-512 VNNI and BF16"
     on, mine, theirs = KERNEL_ON[kernel], f"the {kernel}", TORCH_INT4[kernel]
     if requested == "torch":
         return "torch", f"int4 layers in {theirs}: --int4-kernel torch"
-    if not needs <= cpu.flags or (kernel == "int16" and not cpu.capability.startswith("AVX512")):
+    if not needs <= cpu.flags or (kernel != "float32" and not cpu.capability.startswith("AVX512")):
         return "torch", f"int4 layers in {theirs}: {mine} int4 kernel needs {needed}"
     if compiler is None:
         return "torch", f"int4 layers in {theirs}: no C++ compiler ($CXX, g++) to build {mine} one"
-    return kernel, on if requested == "auto" else f"{on}: --int4-kernel engine"
+    return kernel, on if requested == "auto" else f"{on}: --int4-kernel {requested}"
 
 
 def keep_q4_kernel(kernel: str, ours_us: tuple[float, float], torch_us: tuple[float, float],
                    rows: int) -> tuple[str, str]:
     """(who multiplies the int4 layers, reason) after the start-up race (model/int4_race.py) of the
-    engine's `kernel` (float32 or int16) against torch's int4 kernel, from their times a call at one
+    engine's `kernel` (float32, int16 or int8) against torch's int4 kernel, from their times a call at one
     row and at `rows`: the engine's kernel where the geometric mean of its two ratios to torch's is
     below 1 (one stream and a full batch of its rows weigh alike), with the times."""
     figures = (f"{ours_us[0]:.0f} / {ours_us[1]:.0f} us against torch's {torch_us[0]:.0f} / {torch_us[1]:.0f} "
@@ -148,13 +152,13 @@ AMX_INT4_ON = "calls of 9-{rows} rows of the int4 layers on AMX tiles (the AMX i
 
 
 def choose_amx_int4(kernel: str, cpu: CpuInfo) -> bool:
-    """Whether the int16 kernel's copies (`kernel`, choose_q4_kernel's answer after the race) also
+    """Whether the int16 or int8 kernel's copies (`kernel`, choose_q4_kernel's answer after the race) also
     serve calls of more rows than it takes (decode steps of 9-32 rows, short prompts, small mixed
     steps) through the AMX int4 kernel (model/q4_amx.cpp), instead of the full bfloat16 weights:
     where the CPU runs AMX for bfloat16 (`amx_bf16`, with oneDNN's ISA not held below it). Measured
     on the Xeon 207 with AMX (quantize.AMX_INT4_MAX_ROWS has the figures): traced decode steps of
     9-32 rows 0.79x."""
-    return kernel == "int16" and amx_bfloat16(cpu)
+    return kernel in ("int16", "int8") and amx_bfloat16(cpu)
 
 
 DECODE_ATTENTION_OFF = "torch's scaled_dot_product_attention"  # choose_decode_attention's refusals begin so

@@ -31,6 +31,7 @@ import torch
 from engine_service.model.config import ModelConfig
 from engine_service.model.q4_matmul import TILE
 from engine_service.model.quantize import (
+    ACTIVATION_BITS,
     INT4_KERNEL_MAX_ROWS,
     MAX_ROWS,
     kernel_dtype,
@@ -44,7 +45,7 @@ ROUNDS = 15
 
 @dataclass(frozen=True)
 class Race:
-    kernel: str  # the engine's kernel raced: float32 or int16 (quantize.INT4_KERNELS)
+    kernel: str  # the engine's kernel raced: float32, int16 or int8 (quantize.INT4_KERNELS)
     rows: int  # the larger row count timed: the copies' max_rows
     ours_us: tuple[float, float]  # its median microseconds a call at one row and at `rows`
     torch_us: tuple[float, float]  # torch's int4 kernel's, the same calls
@@ -57,7 +58,9 @@ def race(kernel: str, config: ModelConfig, dtype: torch.dtype) -> Race:
     outputs = max(TILE, 2 * config.intermediate_size // TILE * TILE)  # whole tiles of the int16 kernel's
     weight = torch.randn(outputs, config.hidden_size, generator=generator).to(dtype) * 0.02
     rows = INT4_KERNEL_MAX_ROWS[kernel]
-    copies = {"ours": (quantize_q4 if kernel == "float32" else quantize_q4_int16)(weight, rows),
+    ours = (quantize_q4(weight, rows) if kernel == "float32"
+            else quantize_q4_int16(weight, rows, activation_bits=ACTIVATION_BITS[kernel]))
+    copies = {"ours": ours,
               "torch": quantize_int4(weight, max(rows, MAX_ROWS["int4"]), kernel_dtype(dtype))}
     xs = [torch.randn(n, config.hidden_size, generator=generator).to(dtype) for n in (1, rows)]
     times: dict[tuple[str, int], list[float]] = {(name, i): [] for name in copies for i in range(len(xs))}

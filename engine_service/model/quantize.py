@@ -161,22 +161,24 @@ class DynamicInt8Weight(torch.nn.Module):
 
 @dataclass(frozen=True)
 class Q4Int16Weight:
-    """A bfloat16 model's int4 copy for the int16 int4 kernel (q4_matmul.py, q4_int16.cpp): the same
-    groups, laid out for 16-bit dot products, scales and lows in float16 (Q4_1's own: a Q4_1 file's
-    come back exactly); bfloat16 in and out, the rows quantized to 16 bits a group of 32 inside the
-    call."""
+    """A bfloat16 model's int4 copy for the int16 or int8 int4 kernel (q4_matmul.py, q4_int16.cpp):
+    the same groups, laid out for 16-bit dot products (the 8-bit ones read the same bytes), scales
+    and lows in float16 (Q4_1's own: a Q4_1 file's come back exactly); bfloat16 in and out, the rows
+    quantized to `activation_bits` (16 or 8) a group of 32 inside the call."""
 
     q: torch.Tensor  # (N / 16, K / 8, 64) uint8 (q4_matmul.pack_int16)
     scales: torch.Tensor  # (N / 16, K / 32, 16) float16
     lows: torch.Tensor  # (N / 16, K / 32, 16) float16: w = q * scale + low
     max_rows: int
     amx: bool = False  # calls of more than INT16_KERNEL_INT4_MAX_ROWS rows on AMX tiles (q4_amx.cpp, loaded)
+    activation_bits: int = 16  # 16: the int16 kernel; 8: the int8 one (its library loaded)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """In the int16 kernel; with `amx`, calls of more than INT16_KERNEL_INT4_MAX_ROWS rows on
-        AMX tiles, the copy widened to bfloat16 in cache."""
+        """In the int16 kernel, or the int8 one; with `amx`, calls of more than
+        INT16_KERNEL_INT4_MAX_ROWS rows on AMX tiles, the copy widened to bfloat16 in cache."""
         return through_rows(x, torch.bfloat16, lambda rows: (
             torch.ops.engine_q4_amx.matmul if self.amx and rows.shape[0] > INT16_KERNEL_INT4_MAX_ROWS
+            else torch.ops.engine_q4_int8.matmul if self.activation_bits == 8
             else torch.ops.engine_q4_int16.matmul)(rows, self.q, self.scales, self.lows))
 
 
@@ -193,9 +195,12 @@ def row_limits(copy: QuantizedWeight) -> tuple[int, ...]:
     return (copy.max_rows,)
 
 
-INT4_KERNELS = ("torch", "float32", "int16")  # who multiplies the int4 copies: quantize_model
-# the row count up to which each of the engine's int4 kernels serves a model's layers
-INT4_KERNEL_MAX_ROWS = {"float32": FLOAT32_INT4_MAX_ROWS, "int16": INT16_KERNEL_INT4_MAX_ROWS}
+INT4_KERNELS = ("torch", "float32", "int16", "int8")  # who multiplies the int4 copies: quantize_model
+# the row count up to which each of the engine's int4 kernels serves a model's layers (the int8 one
+# serves the int16 one's copies, as far)
+INT4_KERNEL_MAX_ROWS = {"float32": FLOAT32_INT4_MAX_ROWS, "int16": INT16_KERNEL_INT4_MAX_ROWS,
+                        "int8": INT16_KERNEL_INT4_MAX_ROWS}
+ACTIVATION_BITS = {"int16": 16, "int8": 8}  # the int4 kernels that quantize a call's rows: to how many bits
 
 
 def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -272,11 +277,12 @@ def quantize_q4(weight: torch.Tensor, max_rows: int = FLOAT32_INT4_MAX_ROWS) -> 
 
 
 def quantize_q4_int16(weight: torch.Tensor, max_rows: int = INT16_KERNEL_INT4_MAX_ROWS,
-                      amx: bool = False) -> Q4Int16Weight:
-    """`quantize_int4`'s groups for the int16 int4 kernel (q4_matmul.py), scales and lows in float16;
-    with `amx`, its calls of more rows go to the AMX int4 kernel (Q4Int16Weight.matmul)."""
+                      amx: bool = False, activation_bits: int = 16) -> Q4Int16Weight:
+    """`quantize_int4`'s groups for the int16 int4 kernel (q4_matmul.py), scales and lows in float16,
+    multiplied with the rows at `activation_bits` (16, or 8: the int8 kernel); with `amx`, its calls
+    of more rows go to the AMX int4 kernel (Q4Int16Weight.matmul)."""
     q, scale, low = int4_groups(weight)
-    return Q4Int16Weight(*q4_matmul.pack_int16(q.view(weight.shape), scale, low), max_rows, amx)
+    return Q4Int16Weight(*q4_matmul.pack_int16(q.view(weight.shape), scale, low), max_rows, amx, activation_bits)
 
 
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -295,15 +301,16 @@ def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def _engine_int4_copy(weight: torch.Tensor, kernel: str, max_rows: int | None,
                       amx_rows: int) -> Q4Weight | Q4Int16Weight | None:
-    """The int4 copy for one of the engine's kernels (`kernel`: float32 or int16) where it takes this
+    """The int4 copy for one of the engine's kernels (`kernel`: float32, int16 or int8) where it takes this
     weight (a float32 one; a bfloat16 one of whole 16-row tiles), serving up to `max_rows` rows (None:
     the kernel's own limit), an int16 copy up to `amx_rows` where that is more (the AMX kernel's
     calls); None where torch's kernel keeps it."""
     rows = INT4_KERNEL_MAX_ROWS.get(kernel, 0) if max_rows is None else max_rows
     if kernel == "float32" and weight.dtype == torch.float32:
         return quantize_q4(weight, rows)
-    if kernel == "int16" and weight.dtype == torch.bfloat16 and weight.shape[0] % q4_matmul.TILE == 0:
-        return quantize_q4_int16(weight, max(rows, amx_rows), amx=amx_rows > INT16_KERNEL_INT4_MAX_ROWS)
+    if kernel in ACTIVATION_BITS and weight.dtype == torch.bfloat16 and weight.shape[0] % q4_matmul.TILE == 0:
+        return quantize_q4_int16(weight, max(rows, amx_rows), amx=amx_rows > INT16_KERNEL_INT4_MAX_ROWS,
+                                 activation_bits=ACTIVATION_BITS[kernel])
     return None
 
 
@@ -316,7 +323,7 @@ def quantize_model(projections: Sequence[Projection], method: str, max_rows: int
     multiplied with 8-bit activations, its weights in that many bits (`DynamicInt8Weight`, where
     fbgemm runs: precision.py). `int4_kernel` (INT4_KERNELS) names who multiplies the int4 layers:
     torch's kernel, or one of the engine's (q4_matmul.py, its library loaded): `float32` gives a
-    float32 model's layers `Q4Weight`s, `int16` a bfloat16 model's `Q4Int16Weight`s (those whose
+    float32 model's layers `Q4Weight`s, `int16` and `int8` a bfloat16 model's `Q4Int16Weight`s (those whose
     output size is a multiple of 16; any other keeps torch's kernel), which serve up to `amx_rows`
     rows where that is more (the AMX int4 kernel loaded: AMX_INT4_MAX_ROWS; 0 for none)."""
     if method not in MAX_ROWS:
