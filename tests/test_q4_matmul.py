@@ -191,7 +191,7 @@ def test_a_kernel_that_fails_to_build_leaves_torchs_serving_and_says_why(tmp_pat
 
 
 def test_an_unknown_int4_kernel_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="int4_kernel must be one of auto, engine, torch, got 'fast'"):
+    with pytest.raises(ValueError, match="int4_kernel must be one of auto, engine, int16, torch, got 'fast'"):
         EngineConfig(int4_kernel="fast")
 
 
