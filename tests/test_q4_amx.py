@@ -46,6 +46,7 @@ def kernels() -> None:
     compiler = find_cpp_compiler()
     assert compiler is not None
     q4_matmul.load(compiler, cache_dir(), q4_matmul.KERNELS["int16"])
+    q4_matmul.load(compiler, cache_dir(), q4_matmul.KERNELS["int8"])
     q4_matmul.load(compiler, cache_dir(), q4_matmul.KERNELS["amx"])
 
 
@@ -102,11 +103,15 @@ def test_malformed_operands_are_refused_by_name(kernels: None, operands, message
 
 
 @needs_amx
-def test_the_int16_copies_send_calls_past_eight_rows_to_the_amx_kernel_where_they_serve_them(kernels: None) -> None:
+@pytest.mark.parametrize("bits", [16, 8])  # the int16 kernel's copies, or the int8 one's (the same bytes)
+def test_the_int16_copies_send_calls_past_eight_rows_to_the_amx_kernel_where_they_serve_them(
+        kernels: None, bits: int) -> None:
     generator = torch.Generator().manual_seed(9)
     weight = torch.randn(48, 64, generator=generator).to(torch.bfloat16)
-    copy, plain = quantize_q4_int16(weight, AMX_INT4_MAX_ROWS, amx=True), quantize_q4_int16(weight)
-    int16, amx = torch.ops.engine_q4_int16.matmul, torch.ops.engine_q4_amx.matmul
+    copy = quantize_q4_int16(weight, AMX_INT4_MAX_ROWS, amx=True, activation_bits=bits)
+    plain = quantize_q4_int16(weight, activation_bits=bits)
+    int16 = torch.ops.engine_q4_int16.matmul if bits == 16 else torch.ops.engine_q4_int8.matmul
+    amx = torch.ops.engine_q4_amx.matmul
     for rows, op, without in ((INT16_KERNEL_INT4_MAX_ROWS, int16, int16), (INT16_KERNEL_INT4_MAX_ROWS + 1, amx, int16),
                               (40, amx, int16)):
         x = torch.randn(1, rows, 64, generator=generator).to(torch.bfloat16)  # a model's (1, M, K)

@@ -160,12 +160,15 @@ def test_pack_int16_refuses_a_shape_its_tiles_cannot_hold_by_name(n: int, k: int
         q4_matmul.pack_int16(torch.zeros(n, k, dtype=torch.int64), torch.zeros(n, 1), torch.zeros(n, 1))
 
 
-def test_quantize_model_gives_a_bfloat16_models_layers_int16_copies_and_leaves_the_head_int8() -> None:
+@pytest.mark.parametrize(("name", "bits", "rows"), [("int16", 16, 8), ("int8", 8, 32)])
+def test_quantize_model_gives_a_bfloat16_models_layers_int16_copies_and_leaves_the_head_int8(
+        name: str, bits: int, rows: int) -> None:
     model = load_model("tiny", CPU, torch.bfloat16).model
     model.pack_projections()
-    quantize_model(model.projections(), "int4", int4_kernel="int16")
+    quantize_model(model.projections(), "int4", int4_kernel=name)
     *layers, head = model.projections()
-    assert all(isinstance(p.quantized, Q4Int16Weight) and p.quantized.max_rows == 8 for p in layers)
+    assert all(isinstance(p.quantized, Q4Int16Weight) and (p.quantized.max_rows, p.quantized.activation_bits,
+                                                           p.quantized.amx) == (rows, bits, False) for p in layers)
     assert isinstance(head.quantized, Int8Weight)
     float32 = load_model("tiny", CPU, torch.float32).model
     float32.pack_projections()
@@ -259,9 +262,9 @@ def test_auto_races_the_kernel_against_torchs_and_serves_the_winner_with_the_tim
                                                                               timeout=5).precision_reason
         [raced] = engine.events_named("q4_kernel_raced")
         [ready] = engine.events_named("engine_ready")
-    assert raced["kernel"] == "int8" and raced["rows"] == 8
+    assert raced["kernel"] == "int8" and raced["rows"] == 32
     assert len(raced["ours_us"]) == len(raced["torch_us"]) == 2 and min(raced["ours_us"] + raced["torch_us"]) > 0
-    figures = (r"(\d+) / (\d+) us against torch's (\d+) / (\d+) for the model's gate/up at 1 / 8 rows, in a "
+    figures = (r"(\d+) / (\d+) us against torch's (\d+) / (\d+) for the model's gate/up at 1 / 32 rows, in a "
                r"start-up race")
     if raced["kept"]:
         found = re.search(r"int4 layers in the int8 int4 kernel \(AVX-512 VNNI, 8-bit activations a group of 32, "
@@ -280,7 +283,7 @@ def test_auto_races_the_kernel_against_torchs_and_serves_the_winner_with_the_tim
 def test_a_race_times_both_kernels_on_the_models_own_shape(kernel: Path, int8_kernel: Path, name: str) -> None:
     config = load_model("tiny", CPU, torch.bfloat16).config
     result = int4_race.race(name, config, torch.bfloat16)
-    assert (result.kernel, result.rows) == (name, 8)
+    assert (result.kernel, result.rows) == (name, {"int16": 8, "int8": 32}[name])  # the copies' rows
     assert min(result.ours_us + result.torch_us) > 0
 
 
