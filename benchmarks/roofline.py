@@ -172,7 +172,7 @@ def _projection_read(packed: Packed) -> tuple[list[torch.Tensor], int, str]:
         return tensors, _nbytes(tensors), "int4 + float32 scales/lows (the float32 int4 kernel)"
     if isinstance(q, Q4Int16Weight) and q.max_rows >= 1:
         tensors = [q.q, q.scales, q.lows, *bias]
-        return tensors, _nbytes(tensors), "int4 + float16 scales/lows (the int16 int4 kernel)"
+        return tensors, _nbytes(tensors), f"int4 + float16 scales/lows (the int{q.activation_bits} int4 kernel)"
     if isinstance(q, Int8Weight) and q.max_rows >= 1:
         tensors = [q.weight, q.scales, *bias]
         return tensors, _nbytes(tensors), f"int8 + {_dtype(q.scales)} scales"
