@@ -1,5 +1,5 @@
 """The compiled one-row step and the trace it falls back to, run alike: the int4 kernels' tests hold
-the library built over their copies to the trace's greedy tokens."""
+the library built over their copies to the trace's greedy tokens, or to its logits."""
 
 from __future__ import annotations
 
@@ -22,3 +22,17 @@ def greedy_of_both_steps(runner: ModelRunner, steps: int = 10) -> dict[str, list
             tokens.append(int(token))
         picks[name] = tokens
     return picks
+
+
+def logits_of_both_steps(runner: ModelRunner, tokens: list[int]) -> dict[str, torch.Tensor]:
+    """The logits (len(tokens), V) float32 of the runner's compiled step and of its trace, each fed
+    `tokens` one a step after the same 4-token prompt prefilled into a zeroed cache (the same inputs
+    to both, whatever either would pick)."""
+    out = {}
+    for name, step in (("compiled", runner._decode), ("traced", runner._decode._fallback)):  # type: ignore[attr-defined]
+        runner.cache.k.zero_()
+        runner.cache.v.zero_()
+        runner.model.prefill(torch.tensor([[5, 6, 7, 8]]), torch.tensor([4]), runner.cache, 0)
+        out[name] = torch.cat([step(torch.tensor([token]), torch.tensor([4 + i])).float()
+                               for i, token in enumerate(tokens)])
+    return out
