@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import torch
 
+from engine_service.model.loader import load_model
 from engine_service.runtime.model_runner import ModelRunner
+
+
+def compiled_tiny(dtype: torch.dtype, int4_kernel: str) -> ModelRunner:
+    """The tiny model's runner in `dtype` with int4 copies for `int4_kernel` and its one-row step
+    compiled (into $ENGINE_COMPILE_CACHE: a test's own directory)."""
+    model = load_model("tiny", torch.device("cpu"), dtype).model
+    runner = ModelRunner(model, 2, 64, torch.device("cpu"), dtype, "int4", trace_decode=True, compile_decode=True,
+                         int4_kernel=int4_kernel)
+    assert runner.compiled_decode == "on"
+    return runner
 
 
 def greedy_of_both_steps(runner: ModelRunner, steps: int = 10) -> dict[str, list[int]]:

@@ -30,7 +30,7 @@ from engine_service.model.quantize import (
     quantize_q4_int16,
 )
 from engine_service.runtime.model_runner import ModelRunner
-from tests.compiled_steps import greedy_of_both_steps, logits_of_both_steps
+from tests.compiled_steps import compiled_tiny, greedy_of_both_steps, logits_of_both_steps
 from tests.engines import EngineProcess
 from tests.test_quantize import AGREEMENT, TEXT, _text_logits
 
@@ -302,11 +302,8 @@ def test_the_two_kernels_libraries_are_kept_apart_in_the_cache(tmp_path: Path) -
 def test_the_compiled_one_row_step_calls_the_int16_kernel_and_follows_the_trace(
         kernel: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ENGINE_COMPILE_CACHE", str(tmp_path))
-    model = load_model("tiny", CPU, torch.bfloat16).model
-    runner = ModelRunner(model, 2, 64, CPU, torch.bfloat16, "int4", trace_decode=True, compile_decode=True,
-                         int4_kernel="int16")
-    assert runner.compiled_decode == "on"
-    assert all(isinstance(p.quantized, Q4Int16Weight) for p in model.projections()[:-1])
+    runner = compiled_tiny(torch.bfloat16, "int16")
+    assert all(isinstance(p.quantized, Q4Int16Weight) for p in runner.model.projections()[:-1])
     picks = greedy_of_both_steps(runner)
     assert picks["compiled"] == picks["traced"]
 
@@ -320,12 +317,9 @@ def test_the_compiled_one_row_step_calls_the_int8_kernel_and_follows_the_traces_
     # most, with either kernel): at 8 bits a rounding moved a row's quantization enough to flip a
     # greedy pick at the fifth step, so the two are held to each other's logits on the same tokens
     monkeypatch.setenv("ENGINE_COMPILE_CACHE", str(tmp_path))
-    model = load_model("tiny", CPU, torch.bfloat16).model
-    runner = ModelRunner(model, 2, 64, CPU, torch.bfloat16, "int4", trace_decode=True, compile_decode=True,
-                         int4_kernel="int8")
-    assert runner.compiled_decode == "on"
+    runner = compiled_tiny(torch.bfloat16, "int8")
     assert all(isinstance(p.quantized, Q4Int16Weight) and p.quantized.activation_bits == 8
-               for p in model.projections()[:-1])
+               for p in runner.model.projections()[:-1])
     logits = logits_of_both_steps(runner, [9, 29, 253, 24, 77, 184, 210, 3, 50, 60])
     scale = logits["traced"].abs().max().item()
     assert (logits["compiled"] - logits["traced"]).abs().max().item() <= 0.02 * scale  # 0.7% measured

@@ -24,7 +24,7 @@ from engine_service.model.loader import load_model
 from engine_service.model.quantize import Int4Weight, Int8Weight, Q4Weight, int4_groups, quantize_model, quantize_q4
 from engine_service.runtime.model_runner import ModelRunner
 from tests.checkpoints import engine_greedy
-from tests.compiled_steps import greedy_of_both_steps
+from tests.compiled_steps import compiled_tiny, greedy_of_both_steps
 from tests.engines import EngineProcess
 
 CPU = torch.device("cpu")
@@ -206,10 +206,7 @@ def test_a_compiler_that_fails_raises_with_its_output(tmp_path: Path) -> None:
 def test_the_compiled_one_row_step_calls_the_kernel_and_follows_the_trace(
         kernel: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ENGINE_COMPILE_CACHE", str(tmp_path))
-    model = load_model("tiny", CPU, torch.float32).model
-    runner = ModelRunner(model, 2, 64, CPU, torch.float32, "int4", trace_decode=True, compile_decode=True,
-                         int4_kernel="float32")
-    assert runner.compiled_decode == "on"
-    assert all(isinstance(p.quantized, Q4Weight) for p in model.projections()[:-1])
+    runner = compiled_tiny(torch.float32, "float32")
+    assert all(isinstance(p.quantized, Q4Weight) for p in runner.model.projections()[:-1])
     picks = greedy_of_both_steps(runner)
     assert picks["compiled"] == picks["traced"]
