@@ -18,7 +18,8 @@
 //   nibbles hold row l's values k, k+4, k+1, k+5 and their high nibbles k+2, k+6, k+3, k+7, so a
 //   mask, and a shift and a mask, give two vectors of 16 rows x 4 inputs as unsigned bytes, and
 //   `vpdpbusd` multiplies each by 4 inputs of x (signed bytes, stored in that order) broadcast to
-//   the 16 rows: half the instructions for the same 128 values.
+//   the 16 rows, summing in 32 bits (15 x 127 x 32 < 2^31): half the instructions for the same
+//   128 values.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -105,12 +106,13 @@ inline void tile_rows(const Act* xq, const float* d, const float* dsum, int64_t 
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_loadu_si512(q + (g * 4 + c) * 64);
       if constexpr (sizeof(Act) == 1) {
-        const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+        // unsigned bytes: the low nibbles hold inputs 0 4 1 5 of a row, the high ones 2 6 3 7
+        const __m512i low4 = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+        const __m512i high4 = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
         for (int r = 0; r < R; ++r) {
           const Act* x = xq + r * k + g * GROUP + c * 8;
-          even[r] = _mm512_dpbusd_epi32(even[r], lo, broadcast(x));
-          odd[r] = _mm512_dpbusd_epi32(odd[r], hi, broadcast(x + 4));
+          even[r] = _mm512_dpbusd_epi32(even[r], low4, broadcast(x));
+          odd[r] = _mm512_dpbusd_epi32(odd[r], high4, broadcast(x + 4));
         }
       } else {
         const __m512i nibble = _mm512_set1_epi16(0x0F);
