@@ -3,6 +3,8 @@ the library built over their copies to the trace's greedy tokens, or to its logi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import torch
 
 from engine_service.model.loader import load_model
@@ -19,14 +21,21 @@ def compiled_tiny(dtype: torch.dtype, int4_kernel: str) -> ModelRunner:
     return runner
 
 
-def greedy_of_both_steps(runner: ModelRunner, steps: int = 10) -> dict[str, list[int]]:
-    """The greedy tokens of the runner's compiled step and of its trace, each after the same
-    4-token prompt prefilled into a zeroed cache, `steps` tokens each."""
-    picks = {}
+def _both_steps(runner: ModelRunner) -> Iterator[tuple[str, Callable[..., torch.Tensor]]]:
+    """("compiled", the runner's compiled step), then ("traced", its trace), each yielded after the
+    same 4-token prompt is prefilled into a zeroed cache."""
     for name, step in (("compiled", runner._decode), ("traced", runner._decode._fallback)):  # type: ignore[attr-defined]
         runner.cache.k.zero_()
         runner.cache.v.zero_()
         runner.model.prefill(torch.tensor([[5, 6, 7, 8]]), torch.tensor([4]), runner.cache, 0)
+        yield name, step
+
+
+def greedy_of_both_steps(runner: ModelRunner, steps: int = 10) -> dict[str, list[int]]:
+    """The greedy tokens of the runner's compiled step and of its trace, each after the same
+    4-token prompt prefilled into a zeroed cache, `steps` tokens each."""
+    picks = {}
+    for name, step in _both_steps(runner):
         token, tokens = torch.tensor([9]), []
         for position in range(4, 4 + steps):
             token = step(token, torch.tensor([position])).argmax(-1)
@@ -40,10 +49,7 @@ def logits_of_both_steps(runner: ModelRunner, tokens: list[int]) -> dict[str, to
     `tokens` one a step after the same 4-token prompt prefilled into a zeroed cache (the same inputs
     to both, whatever either would pick)."""
     out = {}
-    for name, step in (("compiled", runner._decode), ("traced", runner._decode._fallback)):  # type: ignore[attr-defined]
-        runner.cache.k.zero_()
-        runner.cache.v.zero_()
-        runner.model.prefill(torch.tensor([[5, 6, 7, 8]]), torch.tensor([4]), runner.cache, 0)
+    for name, step in _both_steps(runner):
         out[name] = torch.cat([step(torch.tensor([token]), torch.tensor([4 + i])).float()
                                for i, token in enumerate(tokens)])
     return out
