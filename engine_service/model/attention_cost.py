@@ -37,7 +37,8 @@ def measured_parity(model: LlamaForCausalLM, max_context: int) -> float:
     one layer of `model` (on the CPU) on this machine: its projections (q/k/v, o, gate/up, down, each through
     whatever path a call of that many rows takes: quantized copy, prepacked or plain weights) over
     DECODING_ROWS + CHUNK_TOKENS rows, against its attention for a CHUNK_TOKENS chunk starting at
-    DEPTH (or as deep as `max_context` allows), masked as a mixed step masks it: the matmuls' time
+    DEPTH (or as deep as `max_context` allows), masked as a mixed step masks it, or in the engine's
+    prompt attention where it serves (model/prompt_attention.py): the matmuls' time
     per row over the attention's per token and attended position."""
     config = model.config
     layer = model.model.layers[0]
@@ -68,8 +69,13 @@ def measured_parity(model: LlamaForCausalLM, max_context: int) -> float:
     mask = additive_mask(chunk_mask(chunk, CPU), dtype)
     gqa = config.num_attention_heads != config.num_key_value_heads
 
+    kernel = attn.prompt_kernel  # the engine's prompt attention where it serves (no mask), as a step runs it
+
     def attention() -> None:
-        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        if kernel is not None:
+            kernel(q[0], k[0], v[0], start, attn.scale)
+        else:
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
     with torch.inference_mode():
         per_token = _seconds(matmuls) / rows

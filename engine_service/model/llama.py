@@ -20,6 +20,7 @@ from engine_service.model.config import ModelConfig
 from engine_service.model.decode_attention import DecodeAttention
 from engine_service.model.kv_cache import KVCache, PromptChunk, additive_mask, chunk_mask, decode_mask
 from engine_service.model.layer_ops import LayerOps
+from engine_service.model.prompt_attention import PromptAttention
 from engine_service.model.quantize import QuantizedWeight
 
 
@@ -204,6 +205,9 @@ class Attention(nn.Module):
         # the decoding rows' attention, one token a row: the engine's kernel where set
         # (LlamaForCausalLM.use_decode_attention), else scaled_dot_product_attention with the mask
         self.decode_kernel: DecodeAttention | None = None
+        # prompt chunks' attention (not the traced mixed step's chunk): the engine's kernel where set
+        # (LlamaForCausalLM.use_prompt_attention), else scaled_dot_product_attention
+        self.prompt_kernel: PromptAttention | None = None
         self.ops: LayerOps | None = None  # the engine's rope and write_kv where set (LlamaForCausalLM.use_layer_ops)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[no-untyped-def]
@@ -271,6 +275,10 @@ class Attention(nn.Module):
             cache.k[self.layer, row, :, start:end] = k[0, :, at:at + chunk.length]
             cache.v[self.layer, row, :, start:end] = v[0, :, at:at + chunk.length]
             keys, values = cache.k[self.layer, row:row + 1, :, :end], cache.v[self.layer, row:row + 1, :, :end]
+            if self.prompt_kernel is not None:  # causal at the chunk's positions, no mask: (T, width)
+                outs.append(self.prompt_kernel(q[0, :, at:at + chunk.length], keys[0], values[0], start, self.scale))
+                at += chunk.length
+                continue
             if start and chunk_mask_ is None:  # a large chunk past position 0 (SPLIT_ATTENTION_TOKENS)
                 out = attend_after_prefix(q[:, :, at:at + chunk.length], keys, values, start)
             else:
@@ -363,6 +371,17 @@ class LlamaForCausalLM(nn.Module):
         each bakes in the attention it ran."""
         for layer in self.model.layers:
             layer.self_attn.decode_kernel = kernel
+
+    def use_prompt_attention(self, kernel: PromptAttention | None) -> None:
+        """Prompt chunks' attention in `kernel` (model/prompt_attention.py's operator), or
+        scaled_dot_product_attention with None. Before any trace is made, as use_decode_attention."""
+        for layer in self.model.layers:
+            layer.self_attn.prompt_kernel = kernel
+
+    @property
+    def prompt_attention(self) -> bool:
+        """Whether prompt chunks' attention runs in the engine's kernel (use_prompt_attention)."""
+        return bool(self.model.layers) and self.model.layers[0].self_attn.prompt_kernel is not None
 
     def use_layer_ops(self, ops: LayerOps | None) -> None:
         """The layers' norms, rotary embeddings and cache writes outside the compiled step in `ops`
@@ -525,10 +544,12 @@ class LlamaForCausalLM(nn.Module):
         # 1,000/2,000 tokens: 15/50 against 22/85)
         x = (self.model.embed_tokens(tokens) if hidden is None else hidden).unsqueeze(0)  # (1, M, hidden)
         # boolean masks made additive once here, not by attention in each layer (kv_cache.additive_mask)
-        # (none for a chunk from position 0, causal, nor for a large chunk past it on a CPU: attend_after_prefix)
+        # (none for a chunk from position 0, causal, nor for a large chunk past it on a CPU: attend_after_prefix,
+        # nor where the engine's prompt attention serves: use_prompt_attention)
+        kernel = self.prompt_attention
         masks = [additive_mask(chunk_mask(c, positions.device), x.dtype)
-                 if c.start and (c.length < SPLIT_ATTENTION_TOKENS or positions.device.type != "cpu") else None
-                 for c in chunks]
+                 if c.start and not kernel and (c.length < SPLIT_ATTENTION_TOKENS or positions.device.type != "cpu")
+                 else None for c in chunks]
         # one token a row: row r attends its keys 0..positions[r] (what decode_kernel reads)
         lengths = None if mask is None or mask.shape[2] != 1 else positions.narrow(0, 0, mask.shape[0]) + 1
         mask = None if mask is None else additive_mask(mask, x.dtype)

@@ -25,6 +25,7 @@ from engine_service.machine.precision import (
     AMX_INT4_ON,
     DECODE_ATTENTION_OFF,
     LAYER_OPS_OFF,
+    PROMPT_ATTENTION_OFF,
     TORCH_INT4,
     Precision,
     choose_amx_int4,
@@ -34,13 +35,14 @@ from engine_service.machine.precision import (
     choose_dynamic_head,
     choose_layer_ops,
     choose_onednn_weights,
+    choose_prompt_attention,
     choose_q4_kernel,
     choose_quantize,
     find_cpp_compiler,
     keep_q4_kernel,
     onednn_layout_rows,
 )
-from engine_service.model import decode_attention, int4_race, layer_ops, q4_matmul
+from engine_service.model import decode_attention, int4_race, layer_ops, prompt_attention, q4_matmul
 from engine_service.model.attention_cost import measured_parity
 from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.config import ModelConfig
@@ -104,7 +106,8 @@ async def build_engine(config: EngineConfig) -> Engine:
              quantize=precision.quantize, precision_reason=precision.reason, cpu=cpu.describe(),
              weight_format=loaded.weight_format, trace_decode=cfg.trace_decode, onednn_weights=runner.onednn_weights,
              compiled_decode=runner.compiled_decode, compiled_decode_reason=compiled_reason,
-             decode_attention=built.attention_reason, layer_ops=built.layer_ops_reason,
+             decode_attention=built.attention_reason, prompt_attention=built.prompt_attention_reason,
+             layer_ops=built.layer_ops_reason,
              speculative=cfg.speculative,
              kv_cache_bytes=runner.cache.bytes_per_token() * cfg.max_batch * cfg.max_context,
              max_prefill_tokens=cfg.max_prefill_tokens or "auto", attention_parity=round(parity),
@@ -117,7 +120,8 @@ async def build_engine(config: EngineConfig) -> Engine:
 @dataclass(frozen=True)
 class BuiltRunner:
     """What `build_runner` made: the model loaded, its runner, the precision chosen and why, and
-    what engine_ready says of the compiled one-row step, of decode attention and of the layer's operators."""
+    what engine_ready says of the compiled one-row step, of decode and prompt attention and of the
+    layer's operators."""
 
     loaded: LoadedModel
     runner: ModelRunner
@@ -129,6 +133,7 @@ class BuiltRunner:
     # engine_ready's layer_ops
     layer_ops_reason: str
     prefix_cache: PrefixCache  # reserved for the runner's cache (PrefixCache.reserve)
+    prompt_attention_reason: str  # who computes prompt chunks' attention, and why: engine_ready's prompt_attention
 
 
 def chunk_parity(model: LlamaForCausalLM, config: EngineConfig) -> float:
@@ -162,6 +167,8 @@ def build_runner(cfg: EngineConfig, cpu: CpuInfo) -> BuiltRunner:
                                                        find_cpp_compiler())
     attention, attention_reason = _load_decode_attention(dtype_name, cfg.device, cpu, loaded.config)
     loaded.model.use_decode_attention(attention)  # before the runner traces and compiles its steps
+    prompt_kernel, prompt_attention_reason = _load_prompt_attention(dtype_name, cfg.device, cpu, loaded.config)
+    loaded.model.use_prompt_attention(prompt_kernel)  # likewise
     ops, layer_ops_reason = _load_layer_ops(dtype_name, cfg.device, cpu)
     loaded.model.use_layer_ops(ops)  # likewise
     runner = ModelRunner(
@@ -178,7 +185,7 @@ def build_runner(cfg: EngineConfig, cpu: CpuInfo) -> BuiltRunner:
     prefix_cache.reserve(runner.cache)  # here, in the loader's thread: its pages written before any step
     log.info("prefix_cache_reserved", tokens=cfg.prefix_cache_tokens, seconds=round(time.monotonic() - started, 2))
     return BuiltRunner(loaded, runner, precision, compiled_reason, chunk_parity(runner.model, cfg), attention_reason,
-                       layer_ops_reason, prefix_cache)
+                       layer_ops_reason, prefix_cache, prompt_attention_reason)
 
 
 def _load_q4_kernel(requested: str, quantize: str, dtype: str, device: str, cpu: CpuInfo,
@@ -245,6 +252,20 @@ def _load_decode_attention(dtype: str, device: str, cpu: CpuInfo,
     kernel, failure = _probed(lambda: decode_attention.load(compiler, cache_dir(), chosen), decode_attention.probe_error,
                               decode_attention.PROBE_TOLERANCE, "decode_attention_failed")
     return (kernel, reason) if kernel is not None else (None, f"{DECODE_ATTENTION_OFF}: {failure}")
+
+
+def _load_prompt_attention(dtype: str, device: str, cpu: CpuInfo,
+                           config: ModelConfig) -> tuple[prompt_attention.PromptAttention | None, str]:
+    """(prompt chunks' attention kernel, None for torch's; the reason, engine_ready's
+    prompt_attention): where choose_prompt_attention takes it, its library built or found in the
+    compile cache, loaded, and run once against float32 attention (model/prompt_attention.py)."""
+    compiler = find_cpp_compiler()
+    chosen, reason = choose_prompt_attention(dtype, device, cpu, compiler, config.dim_per_head)
+    if not chosen or compiler is None:
+        return None, reason
+    kernel, failure = _probed(lambda: prompt_attention.load(compiler, cache_dir()), prompt_attention.probe_error,
+                              prompt_attention.PROBE_TOLERANCE, "prompt_attention_failed")
+    return (kernel, reason) if kernel is not None else (None, f"{PROMPT_ATTENTION_OFF}: {failure}")
 
 
 def _load_layer_ops(dtype: str, device: str, cpu: CpuInfo) -> tuple[layer_ops.LayerOps | None, str]:

@@ -1,7 +1,7 @@
 """`python -m engine_service.runtime.build_kernels`: build the engine's C++ kernels (the int4 kernels
-of q4_matmul.py, decode attention's two builds of decode_attention.py, a layer's small operators
-of layer_ops.py) into the compile cache now, as `make setup` does, rather than at the first engine
-start that needs each (about 10 s a kernel on 2 cores, one compiler a core here). Each is compiled
+of q4_matmul.py, decode attention's two builds of decode_attention.py, prompt attention of
+prompt_attention.py, a layer's small operators of layer_ops.py) into the compile cache now, as
+`make setup` does, rather than at the first engine start that needs each (about 10 s a kernel on 2 cores, one compiler a core here). Each is compiled
 for its own instruction sets, whatever this CPU has: the engine decides at start-up which it runs.
 A kernel already in the cache is left as it is.
 
@@ -17,11 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from engine_service.machine.precision import find_cpp_compiler
-from engine_service.model import decode_attention, layer_ops, native_build, q4_matmul
+from engine_service.model import decode_attention, layer_ops, native_build, prompt_attention, q4_matmul
 from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.native_build import Kernel
 
-KERNELS: tuple[Kernel, ...] = (*q4_matmul.KERNELS.values(), *decode_attention.KERNELS.values(), layer_ops.KERNEL)
+KERNELS: tuple[Kernel, ...] = (*q4_matmul.KERNELS.values(), *decode_attention.KERNELS.values(),
+                               prompt_attention.KERNEL, layer_ops.KERNEL)
 
 
 def build(compiler: str, cache: Path, kernel: Kernel) -> str:

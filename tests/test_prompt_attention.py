@@ -1,0 +1,214 @@
+"""A prompt chunk's attention kernel (engine_service/model/prompt_attention.cpp, prompt_attention.py),
+built with the machine's compiler for AVX-512 BF16 and tested where the CPU has it: it computes what
+scaled_dot_product_attention does for a chunk (causal at its positions, from position 0 and past
+it), at every length its 32-token tasks and 64-key blocks split into; a chunk cut into parts gives
+the whole chunk's bits (the layer-sliced prefill's parts); it reads nothing past the chunk's last
+position; refuses malformed operands by name; is checked at start-up; serves a bfloat16 model's
+prompts; is chosen only where it can run; and build_runner says who computes prompt attention and
+why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_service.config import EngineConfig
+from engine_service.machine.cpu import CpuInfo, detect
+from engine_service.machine.precision import (
+    DECODE_ATTENTION_BF16_FLAGS,
+    PROMPT_ATTENTION_OFF,
+    PROMPT_ATTENTION_ON,
+    choose_prompt_attention,
+    find_cpp_compiler,
+)
+from engine_service.model import prompt_attention
+from engine_service.model.compiled_decode import cache_dir
+from engine_service.model.config import ModelConfig
+from engine_service.model.kv_cache import KVCache, PromptChunk
+from engine_service.model.llama import LlamaForCausalLM
+from engine_service.runtime.build import build_runner
+
+CPU = torch.device("cpu")
+COMPILER = find_cpp_compiler()
+RUNS_HERE = COMPILER is not None and DECODE_ATTENTION_BF16_FLAGS <= detect().flags
+needs_kernel = pytest.mark.skipif(not RUNS_HERE, reason="the prompt attention kernel needs a C++ compiler and "
+                                                        "AVX-512 BF16")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> prompt_attention.PromptAttention:
+    assert COMPILER is not None
+    # the engine's own compile cache: the library these tests load is the one their engines build, once
+    return prompt_attention.load(COMPILER, cache_dir())
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """In float64, with the chunk's mask: token i at position start + i attends keys 0..start+i."""
+    tokens, end = q.shape[1], start + q.shape[1]
+    mask = torch.ones(tokens, end, dtype=torch.bool).tril(start)
+    out = F.scaled_dot_product_attention(q.double()[None], k[:, :end].double()[None], v[:, :end].double()[None],
+                                         attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(tokens, -1)
+
+
+def _operands(heads: int, kv: int, dim: int, start: int, tokens: int, seed: int = 0):  # type: ignore[no-untyped-def]
+    generator = torch.Generator().manual_seed(seed)
+    # the queries as the model hands them: heads of a (tokens, heads + 2 kv, dim) projection, not contiguous
+    q = torch.randn(tokens, heads + 2 * kv, dim, generator=generator).to(torch.bfloat16)[:, :heads].transpose(0, 1)
+    # keys and values as a cache row holds them: more positions than the chunk reaches
+    k, v = (torch.randn(kv, start + tokens + 40, dim, generator=generator).to(torch.bfloat16) for _ in range(2))
+    return q, k, v
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "kv", "dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
+@pytest.mark.parametrize(("start", "tokens"), [
+    (0, 1), (0, 37), (0, 300),  # from position 0: one token, a task and a part, several tasks and key blocks
+    (1, 1), (100, 5), (17, 333), (1152, 512), (63, 66),  # past it: one token, a few, tasks crossing key blocks
+])
+def test_it_computes_a_chunks_causal_attention(kernel, heads: int, kv: int, dim: int, start: int,
+                                               tokens: int) -> None:
+    q, k, v = _operands(heads, kv, dim, start, tokens, seed=start + tokens)
+    out = kernel(q, k, v, start, dim ** -0.5)
+    assert out.shape == (tokens, heads * dim) and out.dtype == torch.bfloat16
+    ref = reference(q, k, v, start)
+    assert ((out.double() - ref).abs().max() / ref.abs().max()) < 2e-2
+    # no worse than torch's own bfloat16 attention on the same values (its weights rounded to bfloat16 too)
+    mask = torch.ones(tokens, start + tokens, dtype=torch.bool).tril(start)
+    theirs = F.scaled_dot_product_attention(q[None], k[None, :, :start + tokens], v[None, :, :start + tokens],
+                                            attn_mask=mask, enable_gqa=True)[0].transpose(0, 1).reshape(tokens, -1)
+    assert (out.double() - ref).abs().max() <= 1.5 * (theirs.double() - ref).abs().max() + 1e-3
+
+
+@needs_kernel
+def test_a_chunk_cut_into_parts_gives_the_whole_chunks_bits(kernel) -> None:
+    q, k, v = _operands(9, 3, 64, 0, 700, seed=3)
+    whole = kernel(q, k, v, 0, 0.125)
+    cuts = [0, 128, 129, 450, 512, 700]  # parts within a task, across tasks, across key blocks
+    parts = torch.cat([kernel(q[:, a:b], k, v, a, 0.125) for a, b in zip(cuts, cuts[1:], strict=False)])
+    assert torch.equal(parts, whole)
+
+
+@needs_kernel
+def test_it_reads_nothing_past_the_chunks_last_position(kernel) -> None:
+    q, k, v = _operands(6, 2, 64, 70, 30, seed=4)
+    clean = kernel(q, k, v, 70, 0.125)
+    k[:, 100:] = v[:, 100:] = float("nan")
+    assert torch.equal(kernel(q, k, v, 70, 0.125), clean)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(start=-1), "3 tokens from position -1 past the 16 positions"),
+    (dict(start=14), "3 tokens from position 14 past the 16 positions"),
+    (dict(q=torch.zeros(2, 3, 32), k=torch.zeros(2, 16, 32), v=torch.zeros(2, 16, 32)), "head size 64 or 128, got 32"),
+    (dict(q=torch.zeros(3, 3, 64)), "do not fit q"),
+    (dict(k=torch.zeros(2, 16, 128), v=torch.zeros(2, 16, 128)), "do not fit q"),
+    (dict(q=torch.zeros(2, 3, 64, dtype=torch.float32)), "bfloat16 q, k and v, got Float"),
+    (dict(k=torch.zeros(2, 64, 16).transpose(1, 2)), "need contiguous heads"),
+    (dict(q=torch.zeros(2, 2, 3, 64)), "must be 3-D"),
+])
+def test_malformed_operands_are_refused_by_name(kernel, change: dict[str, object], message: str) -> None:
+    args: dict[str, object] = dict(q=torch.zeros(2, 3, 64), k=torch.zeros(2, 16, 64), v=torch.zeros(2, 16, 64), start=0)
+    args.update(change)
+    args = {name: value.to(torch.bfloat16) if isinstance(value, torch.Tensor) and "Float" not in message else value
+            for name, value in args.items()}
+    with pytest.raises(RuntimeError, match=message):
+        kernel(args["q"], args["k"], args["v"], args["start"], 0.125)
+
+
+@needs_kernel
+def test_the_start_up_probe_passes_the_kernel_and_fails_a_wrong_one(kernel) -> None:
+    assert prompt_attention.probe_error(kernel) < prompt_attention.PROBE_TOLERANCE
+    assert prompt_attention.probe_error(lambda q, k, v, start, scale: torch.zeros(q.shape[1], q.shape[0] * q.shape[2],
+                                                                                   dtype=q.dtype)) > 0.5
+    # each token a position short: its own key dropped, the error shows
+    assert prompt_attention.probe_error(lambda q, k, v, start, scale: kernel(q, k, v, start - 1, scale)) \
+        > prompt_attention.PROBE_TOLERANCE
+
+
+def _small(seed: int = 0) -> LlamaForCausalLM:
+    """A random bfloat16 model whose heads the kernel takes: 64 values, 3 query heads a KV head."""
+    config = ModelConfig(name="attention-test", vocab_size=300, hidden_size=384, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    model.init_random(seed)
+    model.to(torch.bfloat16).eval()
+    model.pack_projections()
+    model.setup_rope(256, CPU)
+    return model
+
+
+@needs_kernel
+def test_a_bfloat16_models_prompts_take_it_whole_and_in_chunks_alike(kernel) -> None:
+    model = _small()
+    cache = KVCache(model.config, 4, 256, torch.bfloat16, CPU)
+    prompt = torch.randint(0, 300, (200,), generator=torch.Generator().manual_seed(5))
+    none = prompt[:0]
+
+    def last_logits(cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            logits = model.step(none, none, prompt[a:b], [PromptChunk(1, a, b - a)], cache, logits_of=[0])
+        return logits, cache.k[:, 1, :, :200].clone()
+
+    torchs, torch_keys = last_logits([0, 200])
+    calls = []
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(args[3])
+        return kernel(*args)  # type: ignore[arg-type]
+
+    model.use_prompt_attention(counted)
+    assert model.prompt_attention
+    whole, keys = last_logits([0, 200])
+    assert calls == [0, 0]  # one call a layer, from position 0
+    chunked, chunked_keys = last_logits([0, 64, 150, 200])
+    assert calls[2:] == [0, 0, 64, 64, 150, 150]
+    assert torch.equal(chunked, whole) and torch.equal(chunked_keys, keys)  # the same bits chunked or not
+    assert torch.equal(keys[0], torch_keys[0])  # the first layer's keys precede any attention; the rest ...
+    assert not torch.equal(keys[1], torch_keys[1])  # ... follow another arithmetic than torch's ...
+    assert (whole.float() - torchs.float()).abs().max() < 0.05 * torchs.float().abs().max()  # ... to rounding
+    model.use_prompt_attention(None)
+    assert not model.prompt_attention
+    assert torch.equal(last_logits([0, 200])[0], torchs)
+
+
+def _cpu(*flags: str) -> CpuInfo:
+    return CpuInfo("test CPU", "AVX512", frozenset(flags))
+
+
+@pytest.mark.parametrize(("dtype", "device", "flags", "compiler", "head_dim", "chosen", "reason"), [
+    ("bfloat16", "cpu", ("avx2", "fma", "avx512f", "avx512_bf16"), "g++", 64, True, PROMPT_ATTENTION_ON),
+    ("bfloat16", "cpu", ("avx2", "fma", "avx512f", "avx512_bf16"), "g++", 128, True, PROMPT_ATTENTION_ON),
+    ("float32", "cpu", ("avx2", "fma", "avx512f", "avx512_bf16"), "g++", 64, False,
+     f"{PROMPT_ATTENTION_OFF}: the engine's kernel serves bfloat16 on a CPU, this is float32 on cpu"),
+    ("bfloat16", "cuda", ("avx2", "fma", "avx512f", "avx512_bf16"), "g++", 64, False,
+     f"{PROMPT_ATTENTION_OFF}: the engine's kernel serves bfloat16 on a CPU, this is bfloat16 on cuda"),
+    ("bfloat16", "cpu", ("avx2", "fma", "avx512f", "avx512_bf16"), "g++", 16, False,
+     f"{PROMPT_ATTENTION_OFF}: the engine's kernel takes heads of 64 or 128 values, the model has 16"),
+    ("bfloat16", "cpu", ("avx2", "fma", "avx512f"), "g++", 64, False,
+     f"{PROMPT_ATTENTION_OFF}: the engine's kernel needs AVX-512 BF16 (bfloat16 dot products)"),
+    ("bfloat16", "cpu", ("avx2", "fma", "avx512_bf16"), "g++", 64, False,
+     f"{PROMPT_ATTENTION_OFF}: the engine's kernel needs AVX-512 BF16 (bfloat16 dot products)"),
+    ("bfloat16", "cpu", ("avx2", "fma", "avx512f", "avx512_bf16"), None, 64, False,
+     f"{PROMPT_ATTENTION_OFF}: no C++ compiler ($CXX, g++) to build the engine's kernel"),
+])
+def test_it_is_chosen_only_where_it_runs(dtype: str, device: str, flags: tuple[str, ...], compiler: str | None,
+                                          head_dim: int, chosen: bool, reason: str) -> None:
+    assert choose_prompt_attention(dtype, device, _cpu(*flags), compiler, head_dim) == (chosen, reason)
+
+
+def test_build_runner_says_who_computes_prompt_attention_and_why() -> None:
+    built = build_runner(EngineConfig(model="small", dtype="bfloat16", quantize="none", max_batch=4, max_context=128,
+                                      compile_decode="off"), detect())
+    if RUNS_HERE:
+        assert built.prompt_attention_reason == PROMPT_ATTENTION_ON and built.runner.model.prompt_attention
+    else:
+        assert built.prompt_attention_reason.startswith(f"{PROMPT_ATTENTION_OFF}: ")
+        assert not built.runner.model.prompt_attention
+    built = build_runner(EngineConfig(model="small", dtype="float32", quantize="none", max_batch=4, max_context=128,
+                                      compile_decode="off"), detect())
+    assert not built.runner.model.prompt_attention
+    assert built.prompt_attention_reason == (f"{PROMPT_ATTENTION_OFF}: the engine's kernel serves bfloat16 on a CPU, "
+                                             "this is float32 on cpu")
