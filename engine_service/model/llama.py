@@ -545,11 +545,11 @@ class LlamaForCausalLM(nn.Module):
         x = (self.model.embed_tokens(tokens) if hidden is None else hidden).unsqueeze(0)  # (1, M, hidden)
         # boolean masks made additive once here, not by attention in each layer (kv_cache.additive_mask)
         # (none for a chunk from position 0, causal, nor for a large chunk past it on a CPU: attend_after_prefix,
-        # nor where the engine's prompt attention serves: use_prompt_attention)
-        kernel = self.prompt_attention
+        # nor where the engine's prompt attention serves: use_prompt_attention; the layers' own attribute,
+        # since the compiled step runs this method on a module of its own, with no chunk)
         masks = [additive_mask(chunk_mask(c, positions.device), x.dtype)
-                 if c.start and not kernel and (c.length < SPLIT_ATTENTION_TOKENS or positions.device.type != "cpu")
-                 else None for c in chunks]
+                 if c.start and self.model.layers[0].self_attn.prompt_kernel is None
+                 and (c.length < SPLIT_ATTENTION_TOKENS or positions.device.type != "cpu") else None for c in chunks]
         # one token a row: row r attends its keys 0..positions[r] (what decode_kernel reads)
         lengths = None if mask is None or mask.shape[2] != 1 else positions.narrow(0, 0, mask.shape[0]) + 1
         mask = None if mask is None else additive_mask(mask, x.dtype)
