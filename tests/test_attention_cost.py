@@ -62,6 +62,33 @@ def test_slower_attention_measures_a_smaller_parity(monkeypatch: pytest.MonkeyPa
     assert measured_parity(model, 256) < plain
 
 
+def test_where_the_engines_prompt_attention_serves_it_is_what_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose chunks attend in the engine's kernel (use_prompt_attention) times that kernel,
+    called as a step calls it (the chunk's q (H, T, D), its row's keys and values, its start, the
+    scale), not torch's attention; a slower kernel measures a smaller parity."""
+    model = tiny()  # 4 heads of 16 values, 2 KV heads
+    calls = []
+    delay = [0.0]
+
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+        calls.append((tuple(q.shape), tuple(k.shape), tuple(v.shape), start, scale))
+        ends = attention_cost.time.perf_counter() + delay[0]
+        while attention_cost.time.perf_counter() < ends:
+            pass  # a busy wait: the machine's speed is what is measured
+        return torch.zeros(q.shape[1], q.shape[0] * q.shape[2])
+
+    def torchs(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("torch's attention timed where the engine's kernel serves")
+
+    model.use_prompt_attention(kernel)
+    monkeypatch.setattr(attention_cost.F, "scaled_dot_product_attention", torchs)
+    fast = measured_parity(model, 256)  # the chunk as deep as 256 positions allow: from 192
+    assert calls[0] == ((4, 64, 16), (2, 256, 16), (2, 256, 16), 192, 0.25)
+    assert len(calls) == 1 + attention_cost.REPEATS
+    delay[0] = 0.001
+    assert 0 < measured_parity(model, 256) < fast < math.inf
+
+
 @pytest.mark.parametrize("measured", [100.0, 1e9, 1e-9])
 def test_the_engine_keeps_the_measured_parity_within_its_bounds(monkeypatch: pytest.MonkeyPatch,
                                                                measured: float) -> None:

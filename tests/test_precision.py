@@ -19,6 +19,7 @@ from engine_service.machine.precision import (
     choose_dynamic_head,
     choose_layer_ops,
     choose_onednn_weights,
+    choose_prompt_attention,
     choose_q4_kernel,
     choose_quantize,
     find_cpp_compiler,
@@ -377,6 +378,32 @@ def test_decode_attention_takes_the_kernels_build_the_cpu_runs_for_bfloat16_wher
         dtype: str, device: str, cpu: CpuInfo, compiler: str | None, dim: int, group: int,
         answer: tuple[str | None, str]) -> None:
     assert choose_decode_attention(dtype, device, cpu, compiler, dim, group) == answer
+
+
+PROMPT_OFF, PROMPT_ON = "torch's scaled_dot_product_attention", "the engine's kernel (AVX-512 BF16, built at start-up)"
+
+
+@pytest.mark.parametrize(("dtype", "device", "cpu", "compiler", "dim", "answer"), [
+    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 64, (True, PROMPT_ON)),
+    ("bfloat16", "cpu:0", avx512(ZEN4), "/usr/bin/g++", 128, (True, PROMPT_ON)),
+    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 16,
+     (False, f"{PROMPT_OFF}: the engine's kernel takes heads of 64 or 128 values, the model has 16")),
+    ("bfloat16", "cpu", avx512(ZEN4), "/usr/bin/g++", 96,
+     (False, f"{PROMPT_OFF}: the engine's kernel takes heads of 64 or 128 values, the model has 96")),
+    ("bfloat16", "cpu", avx512("avx2 fma avx512f avx512_vnni"), "/usr/bin/g++", 64,
+     (False, f"{PROMPT_OFF}: the engine's kernel needs AVX-512 BF16 (bfloat16 dot products)")),
+    ("bfloat16", "cpu", avx2("avx2 fma avx512_bf16"), "/usr/bin/g++", 64,
+     (False, f"{PROMPT_OFF}: the engine's kernel needs AVX-512 BF16 (bfloat16 dot products)")),
+    ("bfloat16", "cpu", avx512(ZEN4), None, 64,
+     (False, f"{PROMPT_OFF}: no C++ compiler ($CXX, g++) to build the engine's kernel")),
+    ("float32", "cpu", avx512(ZEN4), "/usr/bin/g++", 64,
+     (False, f"{PROMPT_OFF}: the engine's kernel serves bfloat16 on a CPU, this is float32 on cpu")),
+    ("bfloat16", "cuda", avx512(ZEN4), "/usr/bin/g++", 64,
+     (False, f"{PROMPT_OFF}: the engine's kernel serves bfloat16 on a CPU, this is bfloat16 on cuda")),
+])
+def test_prompt_attention_is_the_engines_for_bfloat16_on_a_cpu_with_avx512_bf16_and_a_compiler(
+        dtype: str, device: str, cpu: CpuInfo, compiler: str | None, dim: int, answer: tuple[bool, str]) -> None:
+    assert choose_prompt_attention(dtype, device, cpu, compiler, dim) == answer
 
 
 LAYER_OFF, LAYER_ON = "torch's operators", "the engine's operators (AVX2, built at start-up)"

@@ -4,8 +4,8 @@ scaled_dot_product_attention does for a chunk (causal at its positions, from pos
 it), at every length its 32-token tasks and 64-key blocks split into; a chunk cut into parts gives
 the whole chunk's bits (the layer-sliced prefill's parts); it reads nothing past the chunk's last
 position; refuses malformed operands by name; is checked at start-up; serves a bfloat16 model's
-prompts; is chosen only where it can run; and build_runner says who computes prompt attention and
-why."""
+prompts; and build_runner says who computes prompt attention and why (where it is chosen:
+test_precision.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from engine_service.config import EngineConfig
-from engine_service.machine.cpu import CpuInfo, detect
+from engine_service.machine.cpu import detect
 from engine_service.machine.precision import (
     DECODE_ATTENTION_BF16_FLAGS,
     PROMPT_ATTENTION_OFF,
     PROMPT_ATTENTION_ON,
-    choose_prompt_attention,
     find_cpp_compiler,
 )
 from engine_service.model import prompt_attention
@@ -172,31 +171,6 @@ def test_a_bfloat16_models_prompts_take_it_whole_and_in_chunks_alike(kernel) -> 
     model.use_prompt_attention(None)
     assert not model.prompt_attention
     assert torch.equal(last_logits([0, 200])[0], torchs)
-
-
-def _cpu(*flags: str) -> CpuInfo:
-    return CpuInfo("test CPU", "AVX512", frozenset(flags))
-
-
-@pytest.mark.parametrize(("dtype", "device", "flags", "compiler", "head_dim", "chosen", "reason"), [
-    ("bfloat16", "cpu", ("avx2", "fma", "avx512f", "avx512_bf16"), "g++", 64, True, PROMPT_ATTENTION_ON),
-    ("bfloat16", "cpu", ("avx2", "fma", "avx512f", "avx512_bf16"), "g++", 128, True, PROMPT_ATTENTION_ON),
-    ("float32", "cpu", ("avx2", "fma", "avx512f", "avx512_bf16"), "g++", 64, False,
-     f"{PROMPT_ATTENTION_OFF}: the engine's kernel serves bfloat16 on a CPU, this is float32 on cpu"),
-    ("bfloat16", "cuda", ("avx2", "fma", "avx512f", "avx512_bf16"), "g++", 64, False,
-     f"{PROMPT_ATTENTION_OFF}: the engine's kernel serves bfloat16 on a CPU, this is bfloat16 on cuda"),
-    ("bfloat16", "cpu", ("avx2", "fma", "avx512f", "avx512_bf16"), "g++", 16, False,
-     f"{PROMPT_ATTENTION_OFF}: the engine's kernel takes heads of 64 or 128 values, the model has 16"),
-    ("bfloat16", "cpu", ("avx2", "fma", "avx512f"), "g++", 64, False,
-     f"{PROMPT_ATTENTION_OFF}: the engine's kernel needs AVX-512 BF16 (bfloat16 dot products)"),
-    ("bfloat16", "cpu", ("avx2", "fma", "avx512_bf16"), "g++", 64, False,
-     f"{PROMPT_ATTENTION_OFF}: the engine's kernel needs AVX-512 BF16 (bfloat16 dot products)"),
-    ("bfloat16", "cpu", ("avx2", "fma", "avx512f", "avx512_bf16"), None, 64, False,
-     f"{PROMPT_ATTENTION_OFF}: no C++ compiler ($CXX, g++) to build the engine's kernel"),
-])
-def test_it_is_chosen_only_where_it_runs(dtype: str, device: str, flags: tuple[str, ...], compiler: str | None,
-                                          head_dim: int, chosen: bool, reason: str) -> None:
-    assert choose_prompt_attention(dtype, device, _cpu(*flags), compiler, head_dim) == (chosen, reason)
 
 
 def test_build_runner_says_who_computes_prompt_attention_and_why() -> None:
