@@ -23,6 +23,7 @@ from engine_service.machine.precision import (
     choose_q4_kernel,
     choose_quantize,
     find_cpp_compiler,
+    keep_prompt_attention,
     keep_q4_kernel,
     onednn_bfloat16,
     onednn_layout_rows,
@@ -405,6 +406,21 @@ PROMPT_OFF, PROMPT_ON = "torch's scaled_dot_product_attention", "the engine's ke
 def test_prompt_attention_is_the_engines_for_bfloat16_on_a_cpu_with_avx512_bf16_and_a_compiler(
         dtype: str, device: str, cpu: CpuInfo, compiler: str | None, dim: int, answer: tuple[bool, str]) -> None:
     assert choose_prompt_attention(dtype, device, cpu, compiler, dim) == answer
+
+
+@pytest.mark.parametrize(("ours", "theirs", "kept"), [
+    ((1244.4, 631.7), (4696.2, 1439.1), True),  # measured on a Zen 4: faster at both
+    ((100.0, 300.0), (200.0, 100.0), False),  # twice as fast at one, three times as slow at the other
+    ((100.0, 140.0), (300.0, 100.0), True),  # a third of the time at one, 1.4x at the other
+    ((100.0, 200.0), (200.0, 100.0), False),  # a geometric mean of exactly 1: torch's stays
+    ((300.0, 100.0), (200.0, 100.0), False),
+])
+def test_prompt_attention_is_kept_where_its_ratios_geometric_mean_is_below_one(
+        ours: tuple[float, float], theirs: tuple[float, float], kept: bool) -> None:
+    figures = (f"{ours[0]:.0f} / {ours[1]:.0f} us against torch's {theirs[0]:.0f} / {theirs[1]:.0f} for a layer's "
+               "512 tokens from 0 / 64 at 1024, in a start-up race")
+    assert keep_prompt_attention(ours, theirs, 512, 64, 1024) == (
+        (True, f"{PROMPT_ON}: {figures}") if kept else (False, f"{PROMPT_OFF}: the engine's kernel took {figures}"))
 
 
 LAYER_OFF, LAYER_ON = "torch's operators", "the engine's operators (AVX2, built at start-up)"

@@ -9,6 +9,9 @@ test_precision.py)."""
 
 from __future__ import annotations
 
+import math
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -173,11 +176,47 @@ def test_a_bfloat16_models_prompts_take_it_whole_and_in_chunks_alike(kernel) -> 
     assert torch.equal(last_logits([0, 200])[0], torchs)
 
 
-def test_build_runner_says_who_computes_prompt_attention_and_why() -> None:
+@pytest.mark.parametrize(("max_context", "shapes"), [(2048, (512, 64, 1024)), (1088, (512, 64, 1024)),
+                                                   (1000, (512, 64, 936)), (128, (128, 64, 64)), (40, (40, 40, 0))])
+def test_the_race_runs_a_prompt_from_0_and_a_chunk_at_depth_within_the_context(max_context: int,
+                                                                               shapes: tuple[int, int, int]) -> None:
+    assert prompt_attention.race_shapes(max_context) == shapes
+
+
+@needs_kernel
+def test_the_race_times_the_kernel_and_torchs_on_the_models_heads(kernel) -> None:
+    config = _small().config
+    calls = []
+
+    def slowed(*args: object) -> torch.Tensor:
+        calls.append(args[3])
+        ends = time.perf_counter() + 0.002
+        while time.perf_counter() < ends:
+            pass  # a busy wait: the race measures the machine
+        return kernel(*args)  # type: ignore[arg-type]
+
+    ours, theirs = prompt_attention.race(slowed, config, 256)  # 256 tokens from 0, 64 at 192
+    assert calls == [0, 192] * (1 + prompt_attention.RACE_ROUNDS)
+    assert min(ours) > 2000 and 0 < min(theirs) < math.inf
+    fast, _ = prompt_attention.race(kernel, config, 256)
+    assert fast[0] < ours[0] - 1500 and fast[1] < ours[1] - 1500
+
+
+def test_build_runner_says_who_computes_prompt_attention_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
     built = build_runner(EngineConfig(model="small", dtype="bfloat16", quantize="none", max_batch=4, max_context=128,
                                       compile_decode="off"), detect())
     if RUNS_HERE:
-        assert built.prompt_attention_reason == PROMPT_ATTENTION_ON and built.runner.model.prompt_attention
+        assert built.prompt_attention_reason.startswith(f"{PROMPT_ATTENTION_ON}: ")
+        assert "for a layer's 128 tokens from 0 / 64 at 64, in a start-up race" in built.prompt_attention_reason
+        assert built.runner.model.prompt_attention
+        # where torch's is faster the race keeps it, and says so with the times
+        monkeypatch.setattr(prompt_attention, "race", lambda op, config, context: ((300.0, 200.0), (100.0, 100.0)))
+        built = build_runner(EngineConfig(model="small", dtype="bfloat16", quantize="none", max_batch=4,
+                                          max_context=128, compile_decode="off"), detect())
+        assert not built.runner.model.prompt_attention
+        assert built.prompt_attention_reason == (f"{PROMPT_ATTENTION_OFF}: the engine's kernel took 300 / 200 us "
+                                                 "against torch's 100 / 100 for a layer's 128 tokens from 0 / 64 at "
+                                                 "64, in a start-up race")
     else:
         assert built.prompt_attention_reason.startswith(f"{PROMPT_ATTENTION_OFF}: ")
         assert not built.runner.model.prompt_attention

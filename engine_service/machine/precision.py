@@ -201,8 +201,9 @@ def choose_prompt_attention(dtype: str, device: str, cpu: CpuInfo, compiler: str
     engine_ready's `prompt_attention` carries): a bfloat16 model whose heads have 64 or 128 values,
     on a CPU that dots bfloat16 pairs (AVX-512 BF16), where a compiler can build it. torch's CPU
     kernel multiplies bfloat16 at float32's rate: where the CPU has no faster bfloat16 products
-    there is nothing for this one to win. Not float32, whose prompts stay bit-identical to
-    transformers' attention arithmetic."""
+    there is nothing for this one to win; where it can, a start-up race decides
+    (keep_prompt_attention). Not float32, whose prompts stay bit-identical to transformers'
+    attention arithmetic."""
     if dtype != "bfloat16" or not device.startswith("cpu"):
         return False, f"{PROMPT_ATTENTION_OFF}: the engine's kernel serves bfloat16 on a CPU, this is {dtype} on {device}"
     if head_dim not in (64, 128):  # prompt_attention.cpp's instantiations
@@ -212,6 +213,19 @@ def choose_prompt_attention(dtype: str, device: str, cpu: CpuInfo, compiler: str
     if compiler is None:
         return False, f"{PROMPT_ATTENTION_OFF}: no C++ compiler ($CXX, g++) to build the engine's kernel"
     return True, PROMPT_ATTENTION_ON
+
+
+def keep_prompt_attention(ours_us: tuple[float, float], torch_us: tuple[float, float], tokens: int, chunk: int,
+                          depth: int) -> tuple[bool, str]:
+    """(whether the engine's prompt attention kernel serves, reason) after its start-up race
+    (model/prompt_attention.race) against torch's scaled_dot_product_attention, from their times
+    a layer for a `tokens` prompt from position 0 and a `chunk` chunk at `depth`: the kernel where the
+    geometric mean of its two ratios to torch's is below 1, with the times."""
+    figures = (f"{ours_us[0]:.0f} / {ours_us[1]:.0f} us against torch's {torch_us[0]:.0f} / {torch_us[1]:.0f} "
+               f"for a layer's {tokens} tokens from 0 / {chunk} at {depth}, in a start-up race")
+    if (ours_us[0] / torch_us[0]) * (ours_us[1] / torch_us[1]) < 1:
+        return True, f"{PROMPT_ATTENTION_ON}: {figures}"
+    return False, f"{PROMPT_ATTENTION_OFF}: the engine's kernel took {figures}"
 
 
 LAYER_OPS_OFF = "torch's operators"  # choose_layer_ops's refusals begin so

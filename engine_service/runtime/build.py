@@ -39,6 +39,7 @@ from engine_service.machine.precision import (
     choose_q4_kernel,
     choose_quantize,
     find_cpp_compiler,
+    keep_prompt_attention,
     keep_q4_kernel,
     onednn_layout_rows,
 )
@@ -167,7 +168,8 @@ def build_runner(cfg: EngineConfig, cpu: CpuInfo) -> BuiltRunner:
                                                        find_cpp_compiler())
     attention, attention_reason = _load_decode_attention(dtype_name, cfg.device, cpu, loaded.config)
     loaded.model.use_decode_attention(attention)  # before the runner traces and compiles its steps
-    prompt_kernel, prompt_attention_reason = _load_prompt_attention(dtype_name, cfg.device, cpu, loaded.config)
+    prompt_kernel, prompt_attention_reason = _load_prompt_attention(dtype_name, cfg.device, cpu, loaded.config,
+                                                                    cfg.max_context)
     loaded.model.use_prompt_attention(prompt_kernel)  # likewise
     ops, layer_ops_reason = _load_layer_ops(dtype_name, cfg.device, cpu)
     loaded.model.use_layer_ops(ops)  # likewise
@@ -254,18 +256,26 @@ def _load_decode_attention(dtype: str, device: str, cpu: CpuInfo,
     return (kernel, reason) if kernel is not None else (None, f"{DECODE_ATTENTION_OFF}: {failure}")
 
 
-def _load_prompt_attention(dtype: str, device: str, cpu: CpuInfo,
-                           config: ModelConfig) -> tuple[prompt_attention.PromptAttention | None, str]:
+def _load_prompt_attention(dtype: str, device: str, cpu: CpuInfo, config: ModelConfig,
+                           max_context: int) -> tuple[prompt_attention.PromptAttention | None, str]:
     """(prompt chunks' attention kernel, None for torch's; the reason, engine_ready's
     prompt_attention): where choose_prompt_attention takes it, its library built or found in the
-    compile cache, loaded, and run once against float32 attention (model/prompt_attention.py)."""
+    compile cache, loaded, run once against float32 attention, then raced against torch's on the
+    model's heads and kept where it wins (model/prompt_attention.py, precision.keep_prompt_attention)."""
     compiler = find_cpp_compiler()
     chosen, reason = choose_prompt_attention(dtype, device, cpu, compiler, config.dim_per_head)
     if not chosen or compiler is None:
         return None, reason
     kernel, failure = _probed(lambda: prompt_attention.load(compiler, cache_dir()), prompt_attention.probe_error,
                               prompt_attention.PROBE_TOLERANCE, "prompt_attention_failed")
-    return (kernel, reason) if kernel is not None else (None, f"{PROMPT_ATTENTION_OFF}: {failure}")
+    if kernel is None:
+        return None, f"{PROMPT_ATTENTION_OFF}: {failure}"
+    ours, torchs = prompt_attention.race(kernel, config, max_context)
+    tokens, chunk, depth = prompt_attention.race_shapes(max_context)
+    kept, reason = keep_prompt_attention(ours, torchs, tokens, chunk, depth)
+    log.info("prompt_attention_raced", kept=kept, ours_us=[round(t, 1) for t in ours],
+             torch_us=[round(t, 1) for t in torchs])
+    return (kernel if kept else None), reason
 
 
 def _load_layer_ops(dtype: str, device: str, cpu: CpuInfo) -> tuple[layer_ops.LayerOps | None, str]:
