@@ -150,3 +150,29 @@ def test_a_compile_failure_leaves_the_traced_step_serving_loudly(monkeypatch: py
     assert {"event": "decode_compile_failed", "log_level": "warning", "error_type": "RuntimeError",
             "error": "C++ compile error: g++ exited 1"} in logs
     assert type(runner._decode).__name__ == "TracedDecode"
+
+
+def test_the_compiled_steps_module_runs_the_models_layers_eagerly_whatever_attention_it_is_given() -> None:
+    """What export traces (`_Layers`, the model's `_forward` bound to a module of its own) runs
+    eagerly in a fast test, with the engine's prompt attention set on the model: a `_forward` that
+    reached for an attribute only `LlamaForCausalLM` has failed every `--quantize auto` start on a
+    CPU with AVX-512 BF16 (engine_start_failed, 2026-12-07) while this file's compile tests, CI's
+    only, were the one place it ran."""
+    from engine_service.model.compiled_decode import _Layers
+    from engine_service.model.kv_cache import rows_mask
+
+    model = load_model("tiny", torch.device("cpu"), torch.float32).model
+    model.pack_projections()
+    model.setup_rope(CONTEXT, torch.device("cpu"))
+    cache = KVCache(model.config, 2, CONTEXT, torch.float32, torch.device("cpu"))
+    tokens, positions = torch.tensor([5]), torch.tensor([3])
+    k, v = [cache.k[layer, :1] for layer in range(2)], [cache.v[layer, :1] for layer in range(2)]
+    with torch.inference_mode():
+        plain = _Layers(model)(tokens, positions, rows_mask(positions[None, :]), k, v)
+
+    def unused(*args: object) -> torch.Tensor:
+        raise AssertionError("a decode step has no prompt chunk")
+
+    model.use_prompt_attention(unused)
+    with torch.inference_mode():
+        assert torch.equal(_Layers(model)(tokens, positions, rows_mask(positions[None, :]), k, v), plain)
