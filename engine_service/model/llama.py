@@ -231,7 +231,8 @@ class Attention(nn.Module):
         at `slots` (KVCache.decode_slots of `rows` (d + C,), their rows). The projections run over
         all M tokens at once; attention reads views of the cache, never a gather: the decoding rows
         as one batch, each chunk over its own row, as its mask in `masks` says (None: a chunk from
-        position 0, plain causal, or past it, attend_after_prefix). A tail chunk is what a traced mixed step takes (no Python int
+        position 0, plain causal, or past it, attend_after_prefix), or in `prompt_kernel` where set
+        (causal at the chunk's positions, no mask). A tail chunk is what a traced mixed step takes (no Python int
         of its row or positions: LlamaForCausalLM.mixed_step)."""
         width = self.heads * self.head_dim
         gqa = self.heads != self.kv_heads
