@@ -64,14 +64,14 @@ def test_slower_attention_measures_a_smaller_parity(monkeypatch: pytest.MonkeyPa
 
 def test_where_the_engines_prompt_attention_serves_it_is_what_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A model whose chunks attend in the engine's kernel (use_prompt_attention) times that kernel,
-    called as a step calls it (the chunk's q (H, T, D), its row's keys and values, its start, the
-    scale), not torch's attention; a slower kernel measures a smaller parity."""
+    called as a step calls it (the chunk's q (H, T, D), its row's keys and values through its last
+    position, the scale), not torch's attention; a slower kernel measures a smaller parity."""
     model = tiny()  # 4 heads of 16 values, 2 KV heads
     calls = []
     delay = [0.0]
 
-    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-        calls.append((tuple(q.shape), tuple(k.shape), tuple(v.shape), start, scale))
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        calls.append((tuple(q.shape), tuple(k.shape), tuple(v.shape), scale))
         ends = attention_cost.time.perf_counter() + delay[0]
         while attention_cost.time.perf_counter() < ends:
             pass  # a busy wait: the machine's speed is what is measured
@@ -83,7 +83,7 @@ def test_where_the_engines_prompt_attention_serves_it_is_what_is_timed(monkeypat
     model.use_prompt_attention(kernel)
     monkeypatch.setattr(attention_cost.F, "scaled_dot_product_attention", torchs)
     fast = measured_parity(model, 256)  # the chunk as deep as 256 positions allow: from 192
-    assert calls[0] == ((4, 64, 16), (2, 256, 16), (2, 256, 16), 192, 0.25)
+    assert calls[0] == ((4, 64, 16), (2, 256, 16), (2, 256, 16), 0.25)  # k and v through the chunk: from 192
     assert len(calls) == 1 + attention_cost.REPEATS
     delay[0] = 0.001
     assert 0 < measured_parity(model, 256) < fast < math.inf

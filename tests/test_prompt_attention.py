@@ -29,6 +29,7 @@ from engine_service.model.compiled_decode import cache_dir
 from engine_service.model.config import ModelConfig
 from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.llama import LlamaForCausalLM
+from engine_service.model.traced_decode import TracedMixed
 from engine_service.runtime.build import build_runner
 
 CPU = torch.device("cpu")
@@ -72,7 +73,8 @@ def _operands(heads: int, kv: int, dim: int, start: int, tokens: int, seed: int 
 def test_it_computes_a_chunks_causal_attention(kernel, heads: int, kv: int, dim: int, start: int,
                                                tokens: int) -> None:
     q, k, v = _operands(heads, kv, dim, start, tokens, seed=start + tokens)
-    out = kernel(q, k, v, start, dim ** -0.5)
+    end = start + tokens  # the row's keys through the chunk: they say where it starts
+    out = kernel(q, k[:, :end], v[:, :end], dim ** -0.5)
     assert out.shape == (tokens, heads * dim) and out.dtype == torch.bfloat16
     ref = reference(q, k, v, start)
     assert ((out.double() - ref).abs().max() / ref.abs().max()) < 2e-2
@@ -86,24 +88,24 @@ def test_it_computes_a_chunks_causal_attention(kernel, heads: int, kv: int, dim:
 @needs_kernel
 def test_a_chunk_cut_into_parts_gives_the_whole_chunks_bits(kernel) -> None:
     q, k, v = _operands(9, 3, 64, 0, 700, seed=3)
-    whole = kernel(q, k, v, 0, 0.125)
+    whole = kernel(q, k[:, :700], v[:, :700], 0.125)
     cuts = [0, 128, 129, 450, 512, 700]  # parts within a task, across tasks, across key blocks
-    parts = torch.cat([kernel(q[:, a:b], k, v, a, 0.125) for a, b in zip(cuts, cuts[1:], strict=False)])
+    parts = torch.cat([kernel(q[:, a:b], k[:, :b], v[:, :b], 0.125) for a, b in zip(cuts, cuts[1:], strict=False)])
     assert torch.equal(parts, whole)
 
 
 @needs_kernel
 def test_it_reads_nothing_past_the_chunks_last_position(kernel) -> None:
     q, k, v = _operands(6, 2, 64, 70, 30, seed=4)
-    clean = kernel(q, k, v, 70, 0.125)
+    clean = kernel(q, k[:, :100], v[:, :100], 0.125)
     k[:, 100:] = v[:, 100:] = float("nan")
-    assert torch.equal(kernel(q, k, v, 70, 0.125), clean)
+    assert torch.equal(kernel(q, k[:, :100], v[:, :100], 0.125), clean)
 
 
 @needs_kernel
 @pytest.mark.parametrize(("change", "message"), [
-    (dict(start=-1), "3 tokens from position -1 past the 16 positions"),
-    (dict(start=14), "3 tokens from position 14 past the 16 positions"),
+    (dict(k=torch.zeros(2, 2, 64), v=torch.zeros(2, 2, 64)), "a chunk of 3 tokens against 2 positions of k and v"),
+    (dict(q=torch.zeros(2, 0, 64)), "a chunk of 0 tokens against 16 positions"),
     (dict(q=torch.zeros(2, 3, 32), k=torch.zeros(2, 16, 32), v=torch.zeros(2, 16, 32)), "head size 64 or 128, got 32"),
     (dict(q=torch.zeros(3, 3, 64)), "do not fit q"),
     (dict(k=torch.zeros(2, 16, 128), v=torch.zeros(2, 16, 128)), "do not fit q"),
@@ -112,21 +114,21 @@ def test_it_reads_nothing_past_the_chunks_last_position(kernel) -> None:
     (dict(q=torch.zeros(2, 2, 3, 64)), "must be 3-D"),
 ])
 def test_malformed_operands_are_refused_by_name(kernel, change: dict[str, object], message: str) -> None:
-    args: dict[str, object] = dict(q=torch.zeros(2, 3, 64), k=torch.zeros(2, 16, 64), v=torch.zeros(2, 16, 64), start=0)
+    args: dict[str, object] = dict(q=torch.zeros(2, 3, 64), k=torch.zeros(2, 16, 64), v=torch.zeros(2, 16, 64))
     args.update(change)
     args = {name: value.to(torch.bfloat16) if isinstance(value, torch.Tensor) and "Float" not in message else value
             for name, value in args.items()}
     with pytest.raises(RuntimeError, match=message):
-        kernel(args["q"], args["k"], args["v"], args["start"], 0.125)
+        kernel(args["q"], args["k"], args["v"], 0.125)
 
 
 @needs_kernel
 def test_the_start_up_probe_passes_the_kernel_and_fails_a_wrong_one(kernel) -> None:
     assert prompt_attention.probe_error(kernel) < prompt_attention.PROBE_TOLERANCE
-    assert prompt_attention.probe_error(lambda q, k, v, start, scale: torch.zeros(q.shape[1], q.shape[0] * q.shape[2],
+    assert prompt_attention.probe_error(lambda q, k, v, scale: torch.zeros(q.shape[1], q.shape[0] * q.shape[2],
                                                                                    dtype=q.dtype)) > 0.5
     # each token a position short: its own key dropped, the error shows
-    assert prompt_attention.probe_error(lambda q, k, v, start, scale: kernel(q, k, v, start - 1, scale)) \
+    assert prompt_attention.probe_error(lambda q, k, v, scale: kernel(q, k[:, :-1], v[:, :-1], scale)) \
         > prompt_attention.PROBE_TOLERANCE
 
 
@@ -158,7 +160,7 @@ def test_a_bfloat16_models_prompts_take_it_whole_and_in_chunks_alike(kernel) -> 
     calls = []
 
     def counted(*args: object) -> torch.Tensor:
-        calls.append(args[3])
+        calls.append(args[1].shape[1] - args[0].shape[1])  # where the chunk starts: its keys less its tokens
         return kernel(*args)  # type: ignore[arg-type]
 
     model.use_prompt_attention(counted)
@@ -189,7 +191,7 @@ def test_the_race_times_the_kernel_and_torchs_on_the_models_heads(kernel) -> Non
     calls = []
 
     def slowed(*args: object) -> torch.Tensor:
-        calls.append(args[3])
+        calls.append(args[1].shape[1] - args[0].shape[1])  # where the chunk starts: its keys less its tokens
         ends = time.perf_counter() + 0.002
         while time.perf_counter() < ends:
             pass  # a busy wait: the race measures the machine
@@ -225,3 +227,30 @@ def test_build_runner_says_who_computes_prompt_attention_and_why(monkeypatch: py
     assert not built.runner.model.prompt_attention
     assert built.prompt_attention_reason == (f"{PROMPT_ATTENTION_OFF}: the engine's kernel serves bfloat16 on a CPU, "
                                              "this is float32 on cpu")
+
+
+@needs_kernel
+def test_a_mixed_steps_chunk_takes_it_traced_and_eager_alike(kernel) -> None:
+    """The traced mixed step (TracedMixed) serves every chunk size and position from one trace:
+    the kernel reads where a chunk starts from its keys' length, so the trace keeps it a size, not
+    an int; its logits and cache are the eager step's bit for bit, at positions the trace never saw."""
+    model = _small(1)
+    model.use_prompt_attention(kernel)
+    cache = KVCache(model.config, 8, 256, torch.bfloat16, CPU)
+    traced = TracedMixed(model, cache)
+    generator = torch.Generator().manual_seed(2)
+    d = 3
+    prompts = torch.randint(0, 300, (d + 1, 120), generator=generator)
+    for chunk in (PromptChunk(3, 20, 24), PromptChunk(3, 0, 40), PromptChunk(3, 100, 17)):
+        chunk_tokens = torch.randint(0, 300, (chunk.length,), generator=generator)
+        runs = []
+        for step in ("eager", "traced"):
+            model.prefill(prompts, torch.tensor([30, 64, 65, max(chunk.start, 1)]), cache, 0)
+            tokens, positions = torch.tensor([5, 6, 7]), torch.tensor([30, 64, 65])
+            if step == "eager":
+                logits = model.step(tokens, positions, chunk_tokens, [chunk], cache, logits_of=[0])
+            else:
+                logits = traced(tokens, positions, chunk_tokens, chunk, True)
+            runs.append((logits, cache.k.clone(), cache.v.clone()))
+        for eager, through_trace in zip(*runs, strict=True):
+            assert torch.equal(eager, through_trace), chunk

@@ -73,7 +73,7 @@ def measured_parity(model: LlamaForCausalLM, max_context: int) -> float:
 
     def attention() -> None:
         if kernel is not None:
-            kernel(q[0], k[0], v[0], start, attn.scale)
+            kernel(q[0], k[0], v[0], attn.scale)  # k and v through the chunk: it starts at `start`
         else:
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 

@@ -205,7 +205,7 @@ class Attention(nn.Module):
         # the decoding rows' attention, one token a row: the engine's kernel where set
         # (LlamaForCausalLM.use_decode_attention), else scaled_dot_product_attention with the mask
         self.decode_kernel: DecodeAttention | None = None
-        # prompt chunks' attention (not the traced mixed step's chunk): the engine's kernel where set
+        # prompt chunks' attention (the traced mixed step's chunk too): the engine's kernel where set
         # (LlamaForCausalLM.use_prompt_attention), else scaled_dot_product_attention
         self.prompt_kernel: PromptAttention | None = None
         self.ops: LayerOps | None = None  # the engine's rope and write_kv where set (LlamaForCausalLM.use_layer_ops)
@@ -266,10 +266,14 @@ class Attention(nn.Module):
             outs.append(out.reshape(d, width))
         if tail is not None:  # in row b = mask.shape[0], its keys and values written above
             row, length = mask.shape[0], tail.shape[-1]  # type: ignore[union-attr]
-            out = F.scaled_dot_product_attention(
-                q.narrow(2, d, tail.shape[0]), cache.k[self.layer].narrow(0, row, 1).narrow(2, 0, length),
-                cache.v[self.layer].narrow(0, row, 1).narrow(2, 0, length), attn_mask=tail, enable_gqa=gqa)
-            outs.append(out[0].transpose(0, 1).reshape(tail.shape[0], width))
+            keys = cache.k[self.layer].narrow(0, row, 1).narrow(2, 0, length)
+            values = cache.v[self.layer].narrow(0, row, 1).narrow(2, 0, length)
+            if self.prompt_kernel is not None:  # the keys through the chunk say where it starts: no int traced
+                outs.append(self.prompt_kernel(q[0].narrow(1, d, tail.shape[0]), keys[0], values[0], self.scale))
+            else:
+                out = F.scaled_dot_product_attention(q.narrow(2, d, tail.shape[0]), keys, values, attn_mask=tail,
+                                                     enable_gqa=gqa)
+                outs.append(out[0].transpose(0, 1).reshape(tail.shape[0], width))
         at = d
         for chunk, chunk_mask_ in zip(chunks, masks, strict=True):
             row, start, end = chunk.row, chunk.start, chunk.start + chunk.length
@@ -277,7 +281,7 @@ class Attention(nn.Module):
             cache.v[self.layer, row, :, start:end] = v[0, :, at:at + chunk.length]
             keys, values = cache.k[self.layer, row:row + 1, :, :end], cache.v[self.layer, row:row + 1, :, :end]
             if self.prompt_kernel is not None:  # causal at the chunk's positions, no mask: (T, width)
-                outs.append(self.prompt_kernel(q[0, :, at:at + chunk.length], keys[0], values[0], start, self.scale))
+                outs.append(self.prompt_kernel(q[0, :, at:at + chunk.length], keys[0], values[0], self.scale))
                 at += chunk.length
                 continue
             if start and chunk_mask_ is None:  # a large chunk past position 0 (SPLIT_ATTENTION_TOKENS)

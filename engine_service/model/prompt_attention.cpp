@@ -1,6 +1,8 @@
 // Attention of a prompt chunk, causal at its positions: the chunk's C tokens at positions
 // start..start+C-1 in one KV cache row, token i against that row's keys and values 0..start+i,
-// read in place. What scaled_dot_product_attention computes for a chunk (is_causal from position 0,
+// read in place; the keys and values given are the row's through the chunk's last position, so
+// their length says where the chunk starts (no int of it: a TorchScript trace of a step keeps it
+// as the narrowed cache's size, where an int would be baked in). What scaled_dot_product_attention computes for a chunk (is_causal from position 0,
 // the chunk mask past it) without its costs on a CPU that dots bfloat16 pairs: torch's CPU flash
 // kernel widens bfloat16 to float32 and multiplies at float32's rate (its float32 and bfloat16 calls
 // took the same 38-39 ms for SmolLM2's heads over 2,000 tokens, 2 threads, AMD EPYC of the Zen 4
@@ -177,9 +179,9 @@ void lay_out(const uint16_t* k, int64_t k_pos, const uint16_t* v, int64_t v_pos,
   }
 }
 
-// q (H, C, D), k and v (KV, >= start + C, D), bfloat16, each last dimension contiguous; start >= 0.
-// Returns (C, H * D): token i's heads, as the output projection takes them.
-at::Tensor chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start, double scale) {
+// q (H, C, D), k and v (KV, start + C, D), bfloat16, each last dimension contiguous: the chunk
+// starts at k's length less C. Returns (C, H * D): token i's heads, as the output projection takes them.
+at::Tensor chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prompt attention: q, k and v must be 3-D, got ",
               q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   const int64_t heads = q.size(0), c = q.size(1), d = q.size(2), kv = k.size(0);
@@ -189,8 +191,9 @@ at::Tensor chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   TORCH_CHECK(d == 64 || d == 128, "prompt attention: head size 64 or 128, got ", d);
   TORCH_CHECK(kv >= 1 && heads % kv == 0 && k.sizes() == v.sizes() && k.size(2) == d,
               "prompt attention: k and v ", k.sizes(), " and ", v.sizes(), " do not fit q ", q.sizes());
-  TORCH_CHECK(start >= 0 && c >= 1 && start + c <= k.size(1), "prompt attention: ", c, " tokens from position ",
-              start, " past the ", k.size(1), " positions of k and v");
+  TORCH_CHECK(c >= 1 && c <= k.size(1), "prompt attention: a chunk of ", c, " tokens against ", k.size(1),
+              " positions of k and v (its own and those before it)");
+  const int64_t start = k.size(1) - c;
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
               "prompt attention: q, k and v need contiguous heads");
   const int64_t attended = start + c, padded = (attended + KB - 1) / KB * KB, np = d / 2;
@@ -230,7 +233,7 @@ at::Tensor chunk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 }  // namespace
 
 TORCH_LIBRARY(engine_prompt_attention, m) {
-  m.def("chunk(Tensor q, Tensor k, Tensor v, int start, float scale) -> Tensor");
+  m.def("chunk(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(engine_prompt_attention, CPU, m) { m.impl("chunk", &chunk); }

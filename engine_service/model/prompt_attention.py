@@ -39,8 +39,9 @@ KERNEL = Kernel("prompt_attention", Path(__file__).with_name("prompt_attention.c
 # inputs, weights and output (2^-8), float32 sums in another order than the reference's
 PROBE_TOLERANCE = 0.02
 
-# (q (H, C, D), k (KV, >= start + C, D), v alike, start, scale) -> (C, H * D)
-PromptAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+# (q (H, C, D), k (KV, start + C, D): the row's keys through the chunk's last position, v alike,
+# scale) -> (C, H * D)
+PromptAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 # the start-up race's chunks (`race`): a prompt of RACE_TOKENS from position 0, and a chunk of
 # RACE_CHUNK tokens at RACE_DEPTH (or as deep as the context allows), as a step beside decoding rows
@@ -76,7 +77,7 @@ def probe_error(op: PromptAttention) -> float:
     k, v = (torch.randn(kv, positions, dim, generator=generator).to(torch.bfloat16) for _ in range(2))
     q = torch.randn(heads, tokens, dim, generator=generator).to(torch.bfloat16)
     ref = reference(q, k, v, start)
-    out = op(q, k, v, start, dim ** -0.5)
+    out = op(q, k[:, :start + tokens], v[:, :start + tokens], dim ** -0.5)
     return float((out.float() - ref).abs().max() / ref.abs().max())
 
 
@@ -103,8 +104,8 @@ def race(op: PromptAttention, config: ModelConfig,
     additive = torch.zeros(mask.shape, dtype=torch.bfloat16).masked_fill_(~mask, float("-inf"))
     scale = dim ** -0.5
     calls = {
-        ("ours", 0): lambda: op(qs[0], k, v, 0, scale),
-        ("ours", 1): lambda: op(qs[1], k, v, depth, scale),
+        ("ours", 0): lambda: op(qs[0], k[:, :tokens], v[:, :tokens], scale),
+        ("ours", 1): lambda: op(qs[1], k[:, :depth + chunk], v[:, :depth + chunk], scale),
         ("torch", 0): lambda: F.scaled_dot_product_attention(qs[0][None], k[None, :, :tokens], v[None, :, :tokens],
                                                              is_causal=True, enable_gqa=True),
         ("torch", 1): lambda: F.scaled_dot_product_attention(qs[1][None], k[None, :, :depth + chunk],
