@@ -23,11 +23,11 @@ from engine_service.machine.precision import (
 )
 from engine_service.model import decode_attention
 from engine_service.model.compiled_decode import cache_dir
-from engine_service.model.config import ModelConfig
 from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.traced_decode import TracedDecode, TracedMixed
 from engine_service.runtime.build import build_runner
+from tests.attention_models import small_bfloat16_model
 from tests.greedy_steps import Step, greedy_logits
 from tools.local_engine import EngineProcess
 
@@ -130,15 +130,7 @@ def test_the_start_up_probe_passes_the_kernel_and_fails_a_wrong_one(kernel) -> N
 
 
 def _small(seed: int = 0) -> LlamaForCausalLM:
-    """A random bfloat16 model whose heads the kernel takes: 64 values, 3 query heads a KV head."""
-    config = ModelConfig(name="attention-test", vocab_size=300, hidden_size=384, intermediate_size=512,
-                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2)
-    model = LlamaForCausalLM(config)
-    model.init_random(seed)
-    model.to(torch.bfloat16).eval()
-    model.pack_projections()
-    model.setup_rope(CONTEXT, CPU)
-    return model
+    return small_bfloat16_model(seed, CONTEXT)
 
 
 CONTEXT = 160
