@@ -15,9 +15,10 @@ arithmetic at start-up (`probe_error`); a failed build, load or check leaves tor
 wins (machine/precision.keep_prompt_attention): torch's CPU kernel runs AMX tiles where the CPU has
 them, which the flags alone do not weigh against this kernel. Prompt chunks take it (whole
 prompts, chunks beside decoding rows in an eager or traced step, the sliced prefill's parts); the
-decoding rows keep theirs (decode_attention.py). It takes no int of where a chunk starts: the keys and values it is given are the row's through the
-chunk's last position, and their length less the chunk's says it, so a TorchScript trace of a step
-keeps it a size (an int passed to a custom op would be baked into the trace).
+decoding rows keep theirs (decode_attention.py). It takes no int of where a chunk starts: the
+keys and values it is given are the row's through the chunk's last position, and their length less
+the chunk's says it, so a TorchScript trace of a step keeps it a size (an int passed to a custom op
+would be baked into the trace).
 """
 
 from __future__ import annotations
