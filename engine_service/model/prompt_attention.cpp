@@ -2,12 +2,12 @@
 // start..start+C-1 in one KV cache row, token i against that row's keys and values 0..start+i,
 // read in place; the keys and values given are the row's through the chunk's last position, so
 // their length says where the chunk starts (no int of it: a TorchScript trace of a step keeps it
-// as the narrowed cache's size, where an int would be baked in). What scaled_dot_product_attention computes for a chunk (is_causal from position 0,
-// the chunk mask past it) without its costs on a CPU that dots bfloat16 pairs: torch's CPU flash
-// kernel widens bfloat16 to float32 and multiplies at float32's rate (its float32 and bfloat16 calls
-// took the same 38-39 ms for SmolLM2's heads over 2,000 tokens, 2 threads, AMD EPYC of the Zen 4
-// class), and past position 0 it computes the whole masked block (no causal skip) or two calls
-// merged (llama.attend_after_prefix). Here both products run in `vdpbf16ps` (bfloat16 pairs,
+// as the narrowed cache's size, where an int would be baked in). What scaled_dot_product_attention
+// computes for a chunk (is_causal from position 0, the chunk mask past it) without its costs on a
+// CPU that dots bfloat16 pairs: torch's CPU flash kernel widens bfloat16 to float32 and multiplies
+// at float32's rate (its float32 and bfloat16 calls took the same 38-39 ms for SmolLM2's heads over
+// 2,000 tokens, 2 threads, AMD EPYC of the Zen 4 class), and past position 0 it computes the whole
+// masked block (no causal skip) or two calls merged (llama.attend_after_prefix). Here both products run in `vdpbf16ps` (bfloat16 pairs,
 // float32 sums): 17.6 ms against 38.9 over 2,000 tokens from 0, 6.3 against 15.0 for 512 tokens at
 // 1,152 (docs/decode-speed.md, "A prompt chunk's attention in the engine's kernel").
 //
@@ -124,7 +124,9 @@ void attend_block(const uint16_t* q, int64_t q_row, const uint32_t* keys, const 
       }
       running_sum[r] = running_sum[r] * rescale + sum_lanes(vsum);
       const __m512 factor = _mm512_set1_ps(rescale);
-      for (int c = 0; c < NC; ++c) _mm512_store_ps(acc[r] + c * 16, _mm512_mul_ps(_mm512_load_ps(acc[r] + c * 16), factor));
+      for (int c = 0; c < NC; ++c) {
+        _mm512_store_ps(acc[r] + c * 16, _mm512_mul_ps(_mm512_load_ps(acc[r] + c * 16), factor));
+      }
       for (int64_t g = 0; g < groups; ++g) {
         _mm256_store_si256(reinterpret_cast<__m256i*>(weights[r] + g * 8),
                            (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(row + g * 16)));
