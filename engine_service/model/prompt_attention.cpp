@@ -1,15 +1,16 @@
 // Attention of a prompt chunk, causal at its positions: the chunk's C tokens at positions
-// start..start+C-1 in one KV cache row, token i against that row's keys and values 0..start+i,
-// read in place; the keys and values given are the row's through the chunk's last position, so
-// their length says where the chunk starts (no int of it: a TorchScript trace of a step keeps it
-// as the narrowed cache's size, where an int would be baked in). What scaled_dot_product_attention
+// start..start+C-1 in one KV cache row, token i against that row's keys and values 0..start+i, read
+// in place; the keys and values given are the row's through the chunk's last position, so their
+// length says where the chunk starts (no int of it: a TorchScript trace of a step keeps it as the
+// narrowed cache's size, where an int would be baked in). What scaled_dot_product_attention
 // computes for a chunk (is_causal from position 0, the chunk mask past it) without its costs on a
 // CPU that dots bfloat16 pairs: torch's CPU flash kernel widens bfloat16 to float32 and multiplies
 // at float32's rate (its float32 and bfloat16 calls took the same 38-39 ms for SmolLM2's heads over
 // 2,000 tokens, 2 threads, AMD EPYC of the Zen 4 class), and past position 0 it computes the whole
-// masked block (no causal skip) or two calls merged (llama.attend_after_prefix). Here both products run in `vdpbf16ps` (bfloat16 pairs,
-// float32 sums): 17.6 ms against 38.9 over 2,000 tokens from 0, 6.3 against 15.0 for 512 tokens at
-// 1,152 (docs/decode-speed.md, "A prompt chunk's attention in the engine's kernel").
+// masked block (no causal skip) or two calls merged (llama.attend_after_prefix). Here both products
+// run in `vdpbf16ps` (bfloat16 pairs, float32 sums): 17.6 ms against 38.9 over 2,000 tokens from 0,
+// 6.3 against 15.0 for 512 tokens at 1,152 (docs/decode-speed.md, "A prompt chunk's attention in
+// the engine's kernel").
 //
 // One task a (query head, block of QB tokens): the tokens' queries as bfloat16 pairs; the keys in
 // blocks of KB positions, each block scored for 4 tokens x 64 keys at a time (16 accumulators, one
