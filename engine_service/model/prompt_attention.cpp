@@ -20,9 +20,9 @@
 // with them (one `vdpbf16ps` a pair of keys and 16 values). Each token's result depends on its own
 // query and the key blocks at fixed positions only (0, KB, 2 KB, ...), not on which tokens share
 // its task: a chunk cut into parts gives the whole chunk's bits (the layer-sliced prefill's parts).
-// Keys and values are first laid out for those products, once a call: per KV head, each 16 keys'
-// values pair by pair ([pair][16 keys]), and each two keys' values interleaved ([value][2 keys]),
-// with zeros past the last position. The tasks go to the threads costliest first, round-robin
+// Keys and values are first laid out for those products, once a call: per KV head, the keys 16 at
+// a time by pairs of their values ([pair][16 keys]), and the values of each two keys interleaved
+// ([value][2 keys]), with zeros past the last position. The tasks go to the threads costliest first, round-robin
 // (a causal chunk's last blocks attend the most keys).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -118,7 +118,7 @@ void attend_block(const uint16_t* q, int64_t q_row, const uint32_t* keys, const 
       const float rescale = std::exp(running_max[r] - block_max);
       running_max[r] = block_max;
       fVec vsum(0.f);
-      for (j = 0; j < groups * 16; j += 8) {
+      for (j = 0; j < groups * 16; j += 8) {  // a masked key's -inf gives 0, as in torch's flash kernel
         const fVec e = (fVec::loadu(row + j) - fVec(block_max)).exp_u20();
         e.store(row + j);
         vsum = vsum + e;
