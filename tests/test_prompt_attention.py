@@ -103,6 +103,17 @@ def test_it_reads_nothing_past_the_chunks_last_position(kernel) -> None:
 
 
 @needs_kernel
+def test_a_key_past_a_tokens_position_weighs_exactly_nothing(kernel) -> None:
+    """Keys after a token's own position, within the chunk, hold the largest bfloat16 values: the
+    first token, alone with key 0, gives value 0 exactly (a weight of even 1e-38 on them would show)."""
+    q, k, v = _operands(6, 2, 64, 0, 40, seed=6)
+    k, v = k[:, :40].clone(), v[:, :40].clone()
+    k[:, 1:] = v[:, 1:] = 3e38
+    out = kernel(q, k, v, 0.125)
+    assert torch.equal(out[0].view(6, 64), v[torch.arange(6) // 3, 0])  # each head's KV head's value 0
+
+
+@needs_kernel
 @pytest.mark.parametrize(("change", "message"), [
     (dict(k=torch.zeros(2, 2, 64), v=torch.zeros(2, 2, 64)), "a chunk of 3 tokens against 2 positions of k and v"),
     (dict(q=torch.zeros(2, 0, 64)), "a chunk of 0 tokens against 16 positions"),
