@@ -27,7 +27,7 @@ from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.traced_decode import TracedDecode, TracedMixed
 from engine_service.runtime.build import build_runner
-from tests.attention_models import small_bfloat16_model
+from tests.attention_models import eager_and_traced_mixed_steps, small_bfloat16_model
 from tests.greedy_steps import Step, greedy_logits
 from tools.local_engine import EngineProcess
 
@@ -177,15 +177,9 @@ def test_a_mixed_steps_decoding_rows_take_it_traced_and_eager_alike(kernel) -> N
     d, chunk = 3, PromptChunk(3, 20, 24)
     prompts = torch.randint(0, 300, (d + 1, 70), generator=generator)
     chunk_tokens = torch.randint(0, 300, (chunk.length,), generator=generator)
-    runs = []
-    for step in ("eager", "traced"):
-        model.prefill(prompts, torch.tensor([30, 64, 65, 20]), cache, 0)  # row 3: the chunk's prompt's first 20
-        tokens, positions = torch.tensor([5, 6, 7]), torch.tensor([30, 64, 65])
-        if step == "eager":
-            logits = model.step(tokens, positions, chunk_tokens, [chunk], cache, logits_of=[0])
-        else:
-            logits = traced(tokens, positions, chunk_tokens, chunk, True)
-        runs.append((logits, cache.k.clone(), cache.v.clone()))
+    # row 3: the chunk's prompt's first 20
+    runs = eager_and_traced_mixed_steps(model, cache, traced, prompts, torch.tensor([30, 64, 65, 20]), chunk,
+                                        chunk_tokens)
     assert runs[1][0] is not None and runs[0][0].shape == (d + 1, 300)
     for eager, through_trace in zip(*runs, strict=True):
         assert torch.equal(eager, through_trace)

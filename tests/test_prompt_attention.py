@@ -30,7 +30,7 @@ from engine_service.model.kv_cache import KVCache, PromptChunk
 from engine_service.model.llama import LlamaForCausalLM
 from engine_service.model.traced_decode import TracedMixed
 from engine_service.runtime.build import build_runner
-from tests.attention_models import small_bfloat16_model
+from tests.attention_models import eager_and_traced_mixed_steps, small_bfloat16_model
 
 CPU = torch.device("cpu")
 COMPILER = find_cpp_compiler()
@@ -244,14 +244,7 @@ def test_a_mixed_steps_chunk_takes_it_traced_and_eager_alike(kernel) -> None:
     prompts = torch.randint(0, 300, (d + 1, 120), generator=generator)
     for chunk in (PromptChunk(3, 20, 24), PromptChunk(3, 0, 40), PromptChunk(3, 100, 17)):
         chunk_tokens = torch.randint(0, 300, (chunk.length,), generator=generator)
-        runs = []
-        for step in ("eager", "traced"):
-            model.prefill(prompts, torch.tensor([30, 64, 65, max(chunk.start, 1)]), cache, 0)
-            tokens, positions = torch.tensor([5, 6, 7]), torch.tensor([30, 64, 65])
-            if step == "eager":
-                logits = model.step(tokens, positions, chunk_tokens, [chunk], cache, logits_of=[0])
-            else:
-                logits = traced(tokens, positions, chunk_tokens, chunk, True)
-            runs.append((logits, cache.k.clone(), cache.v.clone()))
+        runs = eager_and_traced_mixed_steps(model, cache, traced, prompts,
+                                            torch.tensor([30, 64, 65, max(chunk.start, 1)]), chunk, chunk_tokens)
         for eager, through_trace in zip(*runs, strict=True):
             assert torch.equal(eager, through_trace), chunk
