@@ -22,6 +22,12 @@ Prints, per budget and round, both ratios: largest gap / median TPOT before (tar
 with the streams / TTFT alone in the same round (target <= 1.6); then their medians over the rounds,
 and the budget's median TTFT alone over the first budget's (what chunking costs a prompt on an idle
 engine).
+
+With `--steps`, where the long prompt beside the streams was layer-sliced, each round's TTFT with
+the streams is also taken apart, in units of that round's TTFT alone, from the engine's steps
+(`sliced_prompts`): the sliced work (the steps' time beyond their decoding rows' part), the
+decoding parts, and the time between the steps; and S, a step's time in decoding parts (medians).
+They explain the ratio: about work x S / (S - 1) + between, with S held near 3 by the gap bound.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import grpc
@@ -49,6 +58,48 @@ VOCAB, SPECIAL = 40003, (0, 1, 2)  # SmolLM2's ids 3..40002: no special token
 LONG = 2000
 STEADY = 8
 STEADY_PROMPT = 64
+
+
+@dataclass(frozen=True)
+class SlicedPrompt:
+    """One layer-sliced prompt's steps, as the engine logged them (seconds)."""
+
+    steps: int
+    work: float  # the steps' time beyond their decoding rows' part: the prompt's sublayers
+    decoding: float  # the decoding rows' parts
+    between: float  # from the first step's start to the last one's end, less the steps' time
+    factor: float  # S: the median step over the median decoding part
+
+
+def sliced_prompts(events: Sequence[dict]) -> list[SlicedPrompt]:
+    """The layer-sliced prompts in `events` (the engine's `sliced_prefill_step` events, others
+    ignored, in the order logged), a prompt's steps from one whose span starts at sublayer 0, row 0
+    to the next such; but a prompt with a step whose decoding part was not timed (`decode_part_ms`
+    null: its rows had all left, or the engine runs off a CPU, where it times none). An event is logged as its step ends, so a prompt's wall time is
+    from its first event's time less that step's to its last event's."""
+    prompts: list[list[dict]] = []
+    for e in events:
+        if e["event"] != "sliced_prefill_step":
+            continue
+        if not prompts or (e["sublayers"][0], e["rows"][0]) == (0, 0):
+            prompts.append([])
+        prompts[-1].append(e)
+    out = []
+    for group in prompts:
+        if any(e["decode_part_ms"] is None for e in group):
+            continue
+        ms = [e["ms"] for e in group]
+        decoding = [e["decode_part_ms"] for e in group]
+        wall = (_seconds(group[-1]["timestamp"]) - _seconds(group[0]["timestamp"])) * 1e3 + ms[0]
+        out.append(SlicedPrompt(steps=len(group), work=(sum(ms) - sum(decoding)) / 1e3, decoding=sum(decoding) / 1e3,
+                                between=(wall - sum(ms)) / 1e3,
+                                factor=statistics.median(ms) / statistics.median(decoding)))
+    return out
+
+
+def _seconds(timestamp: str) -> float:
+    """An event's ISO 8601 time (structlog's, UTC with a Z) as seconds since the epoch."""
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -114,11 +165,16 @@ async def measure(address: str, seed: int, rounds: int) -> list[tuple[float, flo
         await ttft(stub, prompt(seed + 100, LONG))  # warm-up
         for r in range(rounds):
             base = seed + 1000 * (r + 1)
+            # before the prompt alone, the one before it ends: ttft() leaves at the first of its
+            # two tokens, and the second, still decoding, had the next prompt sliced beside it
+            # for a step (seen: 30 ms of a 1.9-s TTFT alone)
             if r % 2 == 0:
+                await idle(stub)
                 alone = await ttft(stub, prompt(base + 200, LONG))
                 tpot, gap, loaded = await with_streams(stub, base + 300)
             else:
                 tpot, gap, loaded = await with_streams(stub, base + 300)
+                await idle(stub)
                 alone = await ttft(stub, prompt(base + 200, LONG))
             out.append((alone, tpot, gap, loaded))
     return out
@@ -151,15 +207,24 @@ def main() -> None:
                            env={"ENGINE_LOG_LEVEL": "debug"} if args.steps else None) as proc:
             with frozen_heap():  # no full collection of this client's heap stops its clocks mid-round
                 rounds = asyncio.run(measure(proc.address, 100_000 * (n + 1), args.rounds))
+            sliced: list[SlicedPrompt] = []
             if args.steps:
                 args.steps.mkdir(parents=True, exist_ok=True)
                 steps = sorted(proc.events_named("prefill_step") + proc.events_named("sliced_prefill_step"),
                                key=lambda e: e["timestamp"])
                 (args.steps / f"steps-{budget}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in steps))
+                sliced = sliced_prompts(steps)
         for r, (alone, tpot, gap, loaded) in enumerate(rounds):
             print(f"budget {budget:>5}, round {r + 1}: TTFT alone {alone * 1e3:7.0f} ms, with streams {loaded * 1e3:7.0f} ms "
                   f"({loaded / alone:.2f}x); steady TPOT median {tpot * 1e3:5.1f} ms, largest gap {gap * 1e3:6.0f} ms "
                   f"({gap / tpot:.2f}x)", flush=True)
+        if len(sliced) == len(rounds):  # one sliced prompt a round: the long one beside the streams
+            for r, ((alone, *_), p) in enumerate(zip(rounds, sliced, strict=True)):
+                print(f"  round {r + 1}, the prompt's {p.steps} sliced steps in TTFTs alone: work {p.work / alone:.2f}, "
+                      f"decoding parts {p.decoding / alone:.2f}, between {p.between / alone:.2f}; "
+                      f"a step {p.factor:.2f} decoding parts (medians)")
+        elif args.steps:
+            print(f"  (the steps show {len(sliced)} sliced prompts for {len(rounds)} rounds: not taken apart)")
         alone = statistics.median(r[0] for r in rounds)
         first_alone = first_alone or alone
         gaps = [r[2] / r[1] for r in rounds]
