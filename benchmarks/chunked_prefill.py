@@ -74,9 +74,10 @@ class SlicedPrompt:
 def sliced_prompts(events: Sequence[dict]) -> list[SlicedPrompt]:
     """The layer-sliced prompts in `events` (the engine's `sliced_prefill_step` events, others
     ignored, in the order logged), a prompt's steps from one whose span starts at sublayer 0, row 0
-    to the next such; but a prompt with a step whose decoding part was not timed (`decode_part_ms`
-    null: its rows had all left, or the engine runs off a CPU, where it times none). An event is logged as its step ends, so a prompt's wall time is
-    from its first event's time less that step's to its last event's."""
+    to the next such. A prompt with a step whose decoding part was not timed is left out
+    (`decode_part_ms` null: its rows had all left, or the engine runs off a CPU, where it times
+    none). An event is logged as its step ends, so a prompt's wall time runs from its first event's
+    time less that step's to its last event's."""
     prompts: list[list[dict]] = []
     for e in events:
         if e["event"] != "sliced_prefill_step":
@@ -165,9 +166,9 @@ async def measure(address: str, seed: int, rounds: int) -> list[tuple[float, flo
         await ttft(stub, prompt(seed + 100, LONG))  # warm-up
         for r in range(rounds):
             base = seed + 1000 * (r + 1)
-            # before the prompt alone, the one before it ends: ttft() leaves at the first of its
-            # two tokens, and the second, still decoding, had the next prompt sliced beside it
-            # for a step (seen: 30 ms of a 1.9-s TTFT alone)
+            # each prompt alone waits until the engine runs nothing: ttft() leaves at the first of
+            # a prompt's two tokens, and a prompt alone sent while the one before still decoded its
+            # second was sliced beside it for a step (seen: 30 ms of a 1.9-s TTFT alone)
             if r % 2 == 0:
                 await idle(stub)
                 alone = await ttft(stub, prompt(base + 200, LONG))
