@@ -99,8 +99,8 @@ def sliced_prompts(events: Sequence[dict]) -> list[SlicedPrompt]:
 
 
 def _seconds(timestamp: str) -> float:
-    """An event's ISO 8601 time (structlog's, UTC with a Z) as seconds since the epoch."""
-    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+    """An event's ISO 8601 time (structlog's, UTC with a Z, which Python 3.11 reads) as seconds since the epoch."""
+    return datetime.fromisoformat(timestamp).timestamp()
 
 
 def prompt(seed: int, length: int) -> list[int]:
